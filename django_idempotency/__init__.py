@@ -1,0 +1,3 @@
+"""Exactly-once effects for Django and Django REST framework."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,265 @@
+"""System checks for the ``IDEMPOTENCY`` settings. Ids are stable and never reused."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.utils.module_loading import import_string
+
+from django_idempotency.conf import DEFAULTS, SENSITIVE_HEADERS
+
+E001 = "django_idempotency.E001"  # IDEMPOTENCY is not a dict
+E002 = "django_idempotency.E002"  # LEASE_SECONDS not a positive number
+E003 = "django_idempotency.E003"  # TTL_SECONDS not a positive number
+E004 = "django_idempotency.E004"  # TTL_SECONDS shorter than LEASE_SECONDS
+E005 = "django_idempotency.E005"  # SCOPE_RESOLVER does not import or is not callable
+E006 = "django_idempotency.E006"  # STORED_STATUS_CODES not HTTP status codes
+E007 = "django_idempotency.E007"  # STORED_RESPONSE_HEADERS not header names
+E008 = "django_idempotency.E008"  # MAX_RESPONSE_BYTES not a non-negative integer
+E009 = "django_idempotency.E009"  # a header-name setting is not a valid header name
+E010 = "django_idempotency.E010"  # MIDDLEWARE_PATHS not valid regular expressions
+E011 = "django_idempotency.E011"  # a boolean setting is not a bool
+E012 = "django_idempotency.E012"  # MIDDLEWARE_METHODS not HTTP methods
+W001 = "django_idempotency.W001"  # unknown key in IDEMPOTENCY
+W002 = "django_idempotency.W002"  # STORED_RESPONSE_HEADERS lists a header never stored
+W003 = "django_idempotency.W003"  # SQLite without IMMEDIATE transactions outside DEBUG
+W004 = "django_idempotency.W004"  # middleware placed before AuthenticationMiddleware
+
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_BOOLEANS = ("KEY_REQUIRED", "LEASE_HEARTBEAT", "LOG_KEYS")
+_HEADER_SETTINGS = ("HEADER", "REPLAY_HEADER")
+
+
+@register(Tags.compatibility)
+def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    user = getattr(settings, "IDEMPOTENCY", {})
+    if not isinstance(user, dict):
+        return [
+            Error(
+                "IDEMPOTENCY must be a dict.",
+                hint="Set IDEMPOTENCY = {...} with the settings to change, or remove it.",
+                id=E001,
+            )
+        ]
+    merged = {**DEFAULTS, **user}
+    errors: list[CheckMessage] = []
+    for name in sorted(set(user) - set(DEFAULTS)):
+        errors.append(
+            Warning(
+                f"IDEMPOTENCY[{name!r}] is not a known setting and is ignored.",
+                hint="Check its spelling against the settings reference.",
+                id=W001,
+            )
+        )
+    errors += _check_durations(merged)
+    errors += _check_scope_resolver(merged["SCOPE_RESOLVER"])
+    errors += _check_status_codes(merged["STORED_STATUS_CODES"])
+    errors += _check_stored_headers(merged["STORED_RESPONSE_HEADERS"])
+    errors += _check_middleware(merged["MIDDLEWARE_PATHS"], merged["MIDDLEWARE_METHODS"])
+    max_bytes = merged["MAX_RESPONSE_BYTES"]
+    if not _is_int(max_bytes) or max_bytes < 0:
+        errors.append(
+            Error(
+                f"IDEMPOTENCY['MAX_RESPONSE_BYTES'] must be a non-negative integer, "
+                f"not {max_bytes!r}.",
+                hint="Responses larger than this are recorded without their body.",
+                id=E008,
+            )
+        )
+    for name in _HEADER_SETTINGS:
+        value = merged[name]
+        if not isinstance(value, str) or not _TOKEN.match(value):
+            errors.append(
+                Error(
+                    f"IDEMPOTENCY[{name!r}] must be an HTTP header name, not {value!r}.",
+                    hint="Use letters, digits and dashes, for example 'Idempotency-Key'.",
+                    id=E009,
+                )
+            )
+    for name in _BOOLEANS:
+        if not isinstance(merged[name], bool):
+            errors.append(
+                Error(f"IDEMPOTENCY[{name!r}] must be True or False.", hint=None, id=E011)
+            )
+    return errors
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_durations(merged: dict[str, Any]) -> list[CheckMessage]:
+    lease, ttl = merged["LEASE_SECONDS"], merged["TTL_SECONDS"]
+    errors: list[CheckMessage] = []
+    if not _is_number(lease) or lease <= 0:
+        errors.append(
+            Error(
+                f"IDEMPOTENCY['LEASE_SECONDS'] must be a positive number, not {lease!r}.",
+                hint="Set it a little above the longest time an idempotent view takes.",
+                id=E002,
+            )
+        )
+    if not _is_number(ttl) or ttl <= 0:
+        errors.append(
+            Error(
+                f"IDEMPOTENCY['TTL_SECONDS'] must be a positive number, not {ttl!r}.",
+                hint="Set it to how long clients may retry, for example 86400 (24 hours).",
+                id=E003,
+            )
+        )
+    if not errors and ttl < lease:
+        errors.append(
+            Error(
+                f"IDEMPOTENCY['TTL_SECONDS'] ({ttl}) is shorter than LEASE_SECONDS ({lease}).",
+                hint="A key must outlive the lease of the request that holds it.",
+                id=E004,
+            )
+        )
+    return errors
+
+
+def _check_scope_resolver(value: Any) -> list[CheckMessage]:
+    try:
+        resolver = import_string(value) if isinstance(value, str) else value
+    except ImportError as exc:
+        return [
+            Error(
+                f"IDEMPOTENCY['SCOPE_RESOLVER'] = {value!r} does not import: {exc}.",
+                hint="Use the dotted path of a callable taking the request and returning a str.",
+                id=E005,
+            )
+        ]
+    if not callable(resolver):
+        return [
+            Error(
+                f"IDEMPOTENCY['SCOPE_RESOLVER'] = {value!r} is not callable.",
+                hint="Use the dotted path of a callable taking the request and returning a str.",
+                id=E005,
+            )
+        ]
+    return []
+
+
+def _check_status_codes(value: Any) -> list[CheckMessage]:
+    valid = isinstance(value, Iterable) and not isinstance(value, str | bytes)
+    if valid:
+        codes = list(value)
+        valid = bool(codes) and all(_is_int(code) and 100 <= code <= 599 for code in codes)
+    if valid:
+        return []
+    return [
+        Error(
+            "IDEMPOTENCY['STORED_STATUS_CODES'] must be a collection of HTTP status codes.",
+            hint="For example range(100, 500), the default, which stores all but 5xx.",
+            id=E006,
+        )
+    ]
+
+
+def _check_stored_headers(value: Any) -> list[CheckMessage]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        names: list[Any] = [value]
+    else:
+        names = list(value)
+    if not all(isinstance(name, str) and _TOKEN.match(name) for name in names):
+        return [
+            Error(
+                "IDEMPOTENCY['STORED_RESPONSE_HEADERS'] must be a list of header names.",
+                hint="For example ['Content-Type', 'Location'].",
+                id=E007,
+            )
+        ]
+    sensitive = sorted(name for name in names if name.lower() in SENSITIVE_HEADERS)
+    if sensitive:
+        return [
+            Warning(
+                f"IDEMPOTENCY['STORED_RESPONSE_HEADERS'] lists {', '.join(sensitive)}, "
+                "which are never stored.",
+                hint="Remove them: replaying cookies or credentials would leak them.",
+                id=W002,
+            )
+        ]
+    return []
+
+
+def _check_middleware(paths: Any, methods: Any) -> list[CheckMessage]:
+    errors: list[CheckMessage] = []
+    bad_paths = isinstance(paths, str) or not isinstance(paths, Iterable)
+    if not bad_paths:
+        for pattern in paths:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError):
+                bad_paths = True
+    if bad_paths:
+        errors.append(
+            Error(
+                "IDEMPOTENCY['MIDDLEWARE_PATHS'] must be a list of regular expressions.",
+                hint=r"For example [r'^/api/payments/'].",
+                id=E010,
+            )
+        )
+    if isinstance(methods, str) or not isinstance(methods, Iterable) or not all(
+        isinstance(method, str) and _TOKEN.match(method) for method in methods
+    ):
+        errors.append(
+            Error(
+                "IDEMPOTENCY['MIDDLEWARE_METHODS'] must be a list of HTTP methods.",
+                hint="For example ['POST', 'PATCH'].",
+                id=E012,
+            )
+        )
+    return errors
+
+
+@register(Tags.database)
+def check_sqlite(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """SQLite needs IMMEDIATE transactions, or concurrent writers fail with 'database is locked'."""
+    if settings.DEBUG:
+        return []
+    from django.db import connections
+
+    warnings: list[CheckMessage] = []
+    for alias in kwargs.get("databases") or ():
+        settings_dict = connections.settings[alias]
+        if "sqlite3" not in settings_dict["ENGINE"]:
+            continue
+        mode = str(settings_dict.get("OPTIONS", {}).get("transaction_mode") or "").upper()
+        if mode != "IMMEDIATE":
+            warnings.append(
+                Warning(
+                    f"Database {alias!r} is SQLite without IMMEDIATE transactions.",
+                    hint=(
+                        "Set DATABASES[...]['OPTIONS'] = {'transaction_mode': 'IMMEDIATE', "
+                        "'timeout': 20}, or use PostgreSQL in production."
+                    ),
+                    id=W003,
+                )
+            )
+    return warnings
+
+
+@register(Tags.compatibility)
+def check_middleware_order(
+    app_configs: Sequence[Any] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    middleware = list(getattr(settings, "MIDDLEWARE", []))
+    ours = "django_idempotency.middleware.IdempotencyMiddleware"
+    auth = "django.contrib.auth.middleware.AuthenticationMiddleware"
+    if ours in middleware and auth in middleware and middleware.index(ours) < middleware.index(auth):
+        return [
+            Warning(
+                "IdempotencyMiddleware comes before AuthenticationMiddleware.",
+                hint="Move it after AuthenticationMiddleware so keys are scoped by user.",
+                id=W004,
+            )
+        ]
+    return []

@@ -1,0 +1,141 @@
+"""The ``IDEMPOTENCY`` settings dict, merged over defaults and read live on every access.
+
+Nothing is cached or bound at import, so ``override_settings(IDEMPOTENCY=...)`` just works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from django.conf import settings
+from django.utils.module_loading import import_string
+
+from django_idempotency.exceptions import IdempotencyConfigurationError
+
+#: Every setting and its default; ``docs/settings.md`` documents each one.
+DEFAULTS: dict[str, Any] = {
+    # Layer 1: idempotency keys
+    "HEADER": "Idempotency-Key",
+    "KEY_REQUIRED": True,
+    "LEASE_SECONDS": 30,
+    "TTL_SECONDS": 86400,
+    "SCOPE_RESOLVER": "django_idempotency.scopes.user_scope",
+    "ANONYMOUS_SCOPE": "anonymous",
+    "STORED_STATUS_CODES": range(100, 500),
+    "REPLAY_HEADER": "Idempotent-Replay",
+    "STORED_RESPONSE_HEADERS": ("Content-Type", "Location"),
+    "MAX_RESPONSE_BYTES": 1024 * 1024,
+    "LEASE_HEARTBEAT": False,
+    "MIDDLEWARE_PATHS": (),
+    "MIDDLEWARE_METHODS": ("POST", "PATCH"),
+    "ERROR_TYPE_BASE": "urn:django-idempotency:error:",
+    "LOG_KEYS": False,
+}
+
+#: Response headers never stored, whatever ``STORED_RESPONSE_HEADERS`` says: replaying them
+#: would hand one client another's session or credentials.
+SENSITIVE_HEADERS = frozenset(
+    {
+        "set-cookie",
+        "cookie",
+        "authorization",
+        "proxy-authorization",
+        "www-authenticate",
+        "proxy-authenticate",
+    }
+)
+
+
+def import_setting(name: str, value: Any) -> Any:
+    """Import a dotted path from a setting; the error names the setting to fix."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return import_string(value)
+    except ImportError as exc:
+        raise IdempotencyConfigurationError(
+            f"IDEMPOTENCY[{name!r}] = {value!r} could not be imported: {exc}. "
+            f"Set it to the dotted path of an importable object."
+        ) from exc
+
+
+class IdempotencySettings:
+    """Live view of ``settings.IDEMPOTENCY``: each attribute reads the current value."""
+
+    @property
+    def user_settings(self) -> Mapping[str, Any]:
+        value = getattr(settings, "IDEMPOTENCY", {})
+        return value if isinstance(value, Mapping) else {}
+
+    def get(self, name: str) -> Any:
+        return self.user_settings.get(name, DEFAULTS[name])
+
+    @property
+    def HEADER(self) -> str:
+        return str(self.get("HEADER"))
+
+    @property
+    def KEY_REQUIRED(self) -> bool:
+        return bool(self.get("KEY_REQUIRED"))
+
+    @property
+    def LEASE_SECONDS(self) -> float:
+        return float(self.get("LEASE_SECONDS"))
+
+    @property
+    def TTL_SECONDS(self) -> float:
+        return float(self.get("TTL_SECONDS"))
+
+    @property
+    def SCOPE_RESOLVER(self) -> Callable[[Any], str]:
+        resolver: Callable[[Any], str] = import_setting(
+            "SCOPE_RESOLVER", self.get("SCOPE_RESOLVER")
+        )
+        return resolver
+
+    @property
+    def ANONYMOUS_SCOPE(self) -> str:
+        return str(self.get("ANONYMOUS_SCOPE"))
+
+    @property
+    def STORED_STATUS_CODES(self) -> Collection[int]:
+        codes: Collection[int] = self.get("STORED_STATUS_CODES")
+        return codes
+
+    @property
+    def REPLAY_HEADER(self) -> str:
+        return str(self.get("REPLAY_HEADER"))
+
+    @property
+    def STORED_RESPONSE_HEADERS(self) -> frozenset[str]:
+        """Lower-cased allow-list, minus the headers that are never stored."""
+        names = {str(name).lower() for name in self.get("STORED_RESPONSE_HEADERS")}
+        return frozenset(names - SENSITIVE_HEADERS)
+
+    @property
+    def MAX_RESPONSE_BYTES(self) -> int:
+        return int(self.get("MAX_RESPONSE_BYTES"))
+
+    @property
+    def LEASE_HEARTBEAT(self) -> bool:
+        return bool(self.get("LEASE_HEARTBEAT"))
+
+    @property
+    def MIDDLEWARE_PATHS(self) -> tuple[str, ...]:
+        return tuple(self.get("MIDDLEWARE_PATHS"))
+
+    @property
+    def MIDDLEWARE_METHODS(self) -> frozenset[str]:
+        return frozenset(method.upper() for method in self.get("MIDDLEWARE_METHODS"))
+
+    @property
+    def ERROR_TYPE_BASE(self) -> str:
+        return str(self.get("ERROR_TYPE_BASE"))
+
+    @property
+    def LOG_KEYS(self) -> bool:
+        return bool(self.get("LOG_KEYS"))
+
+
+conf = IdempotencySettings()

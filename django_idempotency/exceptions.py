@@ -1,0 +1,130 @@
+"""One exception tree. HTTP errors carry their wire code and render as problem+json.
+
+With Django REST framework installed, the HTTP errors are ``APIException`` subclasses, so DRF's
+exception handler (or yours) sees them like any other API error and sets ``Retry-After`` from
+``wait``. Without DRF they are plain exceptions with the same attributes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+if TYPE_CHECKING:
+    from rest_framework.exceptions import APIException as _HTTPBase
+else:
+    try:
+        from rest_framework.exceptions import APIException as _HTTPBase
+    except ImportError:  # pragma: no cover - exercised only without DRF installed
+
+        class _HTTPBase(Exception):
+            status_code = 500
+            default_detail = "A server error occurred."
+            default_code = "error"
+
+            def __init__(self, detail: Any = None, code: Any = None) -> None:
+                self.detail = detail if detail is not None else self.default_detail
+                super().__init__(self.detail)
+
+
+class IdempotencyError(Exception):
+    """Base of every error this app raises."""
+
+
+class IdempotencyConfigurationError(IdempotencyError, ImproperlyConfigured):
+    """A setting is wrong; the message names it and the fix."""
+
+
+class LeaseLost(IdempotencyError):
+    """The completion found another owner on the record: this request's lease was taken over."""
+
+
+class IdempotencyHTTPError(IdempotencyError, _HTTPBase):
+    """An error answered to the client as ``application/problem+json``."""
+
+    title = "Idempotency error"
+    wait: int | None = None
+
+    def problem(self, type_base: str) -> dict[str, Any]:
+        """RFC 9457 body, plus the short ``error`` code and ``message`` clients match on."""
+        code = str(self.default_code)
+        detail = str(self.detail)
+        return {
+            "type": f"{type_base}{code}",
+            "title": self.title,
+            "status": self.status_code,
+            "detail": detail,
+            "error": code,
+            "message": detail,
+        }
+
+
+class IdempotencyKeyMissing(IdempotencyHTTPError):
+    status_code = 400
+    title = "Idempotency key missing"
+    default_code = "idempotency_key_missing"
+    default_detail = "This endpoint requires an Idempotency-Key header."
+
+
+class IdempotencyKeyInvalid(IdempotencyHTTPError):
+    status_code = 400
+    title = "Idempotency key invalid"
+    default_code = "idempotency_key_invalid"
+    default_detail = (
+        "The Idempotency-Key header must be sent once, with 1 to 255 printable ASCII "
+        "characters, as a bare token or a quoted string."
+    )
+
+
+class TransactionInProgress(IdempotencyHTTPError):
+    status_code = 409
+    title = "Request in progress"
+    default_code = "transaction_in_progress"
+    default_detail = (
+        "A request with this idempotency key is still being processed. "
+        "Retry after the number of seconds in Retry-After."
+    )
+
+    def __init__(self, wait: int, detail: Any = None) -> None:
+        super().__init__(detail)
+        self.wait = wait
+
+
+class LeaseLostConflict(IdempotencyHTTPError):
+    status_code = 409
+    title = "Idempotency lease lost"
+    default_code = "idempotency_lease_lost"
+    default_detail = (
+        "This request ran past its lease and another request with the same idempotency key "
+        "took over; this request's changes were rolled back. Retry with the same key to "
+        "receive the other request's result."
+    )
+
+    def __init__(self, detail: Any = None) -> None:
+        super().__init__(detail)
+        self.wait = 1
+
+
+class PayloadMismatch(IdempotencyHTTPError):
+    status_code = 422
+    title = "Idempotency key reused"
+    default_code = "payload_mismatch"
+    default_detail = (
+        "This idempotency key was already used for a different request (method, path or "
+        "body). Use a new key for a new request."
+    )
+
+
+class StoreUnavailable(IdempotencyHTTPError):
+    status_code = 503
+    title = "Service unavailable"
+    default_code = "idempotency_store_unavailable"
+    default_detail = (
+        "The database that records idempotency keys is unavailable; nothing was done. "
+        "Retry with the same key after the number of seconds in Retry-After."
+    )
+
+    def __init__(self, wait: int = 1, detail: Any = None) -> None:
+        super().__init__(detail)
+        self.wait = wait

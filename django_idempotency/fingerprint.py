@@ -1,0 +1,135 @@
+"""Request fingerprints: SHA-256 over method, path, canonical query and canonical body.
+
+A retry must carry the same request; formatting is not part of "the same". JSON is re-serialised
+with sorted keys and no insignificant whitespace, form fields are sorted, multipart uploads are
+hashed file by file as they stream, anything else is hashed as raw bytes. The body itself is
+never stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from tempfile import SpooledTemporaryFile
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+from django.conf import settings
+from django.http import HttpRequest, QueryDict
+from django.http.multipartparser import MultiPartParser
+from django.utils.datastructures import MultiValueDict
+
+_CHUNK = 64 * 1024
+
+
+def canonical_path(request: HttpRequest) -> str:
+    """Path plus the query string with its parameters in sorted order."""
+    query = request.META.get("QUERY_STRING", "")
+    if not query:
+        return request.path
+    pairs = sorted(parse_qsl(query, keep_blank_values=True))
+    return f"{request.path}?{urlencode(pairs)}"
+
+
+def request_fingerprint(request: HttpRequest) -> str:
+    """Hex SHA-256 identifying what the request asks for, independent of body formatting."""
+    digest = hashlib.sha256()
+    digest.update(f"{request.method}\n{canonical_path(request)}\n".encode())
+    content_type = request.content_type or ""
+    if content_type == "multipart/form-data":
+        _hash_multipart(request, digest)
+    elif content_type == "application/x-www-form-urlencoded" and _fits_in_memory(request):
+        fields = QueryDict(request.body, encoding=request.encoding)
+        digest.update(b"form\n" + _canonical_fields(fields))
+    elif _is_json(content_type) and _fits_in_memory(request):
+        digest.update(_canonical_json(request.body))
+    elif _fits_in_memory(request):
+        digest.update(b"raw\n" + request.body)
+    else:
+        _hash_raw_stream(request, digest)
+    return digest.hexdigest()
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type == "application/json" or content_type.endswith("+json")
+
+
+def _content_length(request: HttpRequest) -> int:
+    try:
+        return int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        return 0
+
+
+def _fits_in_memory(request: HttpRequest) -> bool:
+    """Whether reading ``request.body`` is what Django itself would allow."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return hasattr(request, "_body") or limit is None or _content_length(request) <= limit
+
+
+def _canonical_json(body: bytes) -> bytes:
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        # Not JSON after all (or hostile nesting): the raw bytes still identify the request,
+        # and the view answers the client's mistake itself.
+        return b"raw\n" + body
+    try:
+        text = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return b"raw\n" + body
+    return b"json\n" + text.encode("utf-8", "surrogatepass")
+
+
+def _canonical_fields(fields: QueryDict | MultiValueDict[str, Any]) -> bytes:
+    items = sorted((name, fields.getlist(name)) for name in fields)
+    return json.dumps(items, separators=(",", ":"), ensure_ascii=False).encode(
+        "utf-8", "surrogatepass"
+    )
+
+
+def _hash_multipart(request: HttpRequest, digest: Any) -> None:
+    """Field values plus a streamed digest of each file; uploads never sit in memory whole."""
+    if request.method == "POST":
+        fields, files = request.POST, request.FILES
+    else:
+        # Django parses multipart only for POST; parse it here and leave the result where
+        # ``request.POST``/``FILES`` (and DRF's form parsing) will find it.
+        parser = MultiPartParser(
+            request.META, request, request.upload_handlers, request.encoding
+        )
+        fields, files = parser.parse()
+        request._post, request._files = fields, files  # type: ignore[attr-defined]
+    digest.update(b"multipart\n" + _canonical_fields(fields) + b"\n")
+    for name in sorted(files):
+        for upload in files.getlist(name):
+            file_digest = hashlib.sha256()
+            for chunk in upload.chunks(_CHUNK):
+                file_digest.update(chunk)
+            upload.seek(0)
+            digest.update(f"{name}\0{upload.name}\0{upload.size}\0".encode())
+            digest.update(file_digest.digest())
+
+
+def _hash_raw_stream(request: HttpRequest, digest: Any) -> None:
+    """Hash a large body in chunks and put it back, spooled, for the view to read.
+
+    ``request.body`` would refuse it (DATA_UPLOAD_MAX_MEMORY_SIZE) where a view that streams
+    the request would not, so the body is read as a stream and handed back as a file.
+    """
+    spool = SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE)
+    digest.update(b"raw\n")
+    while chunk := request.read(_CHUNK):
+        digest.update(chunk)
+        spool.write(chunk)
+    spool.seek(0)
+    # HttpRequest reads from ``_stream``; resetting ``_read_started`` lets the view (or DRF)
+    # read the body as if it had never been touched.
+    request._stream = spool  # type: ignore[attr-defined]
+    request._read_started = False
+
+
+def prepare_body(request: HttpRequest) -> None:
+    """Read and cache a body that fits in memory, before anything else consumes the stream."""
+    if request.content_type != "multipart/form-data" and _fits_in_memory(request):
+        request.body  # noqa: B018  (the property caches the body on the request)

@@ -1,0 +1,33 @@
+"""Signals sent by the request state machine; connect to them for metrics or audit.
+
+Every signal is sent with ``sender`` = :class:`~django_idempotency.models.IdempotencyRecord`
+and the keyword arguments listed beside it. ``key`` is the raw key: redact it before logging.
+"""
+
+from django.dispatch import Signal
+
+#: A request claimed a key and is about to run. kwargs: ``scope``, ``key``, ``attempt``.
+key_claimed = Signal()
+
+#: A request whose key had expired its lease took it over. kwargs: ``scope``, ``key``, ``attempt``.
+key_taken_over = Signal()
+
+#: A retry was answered with the stored response. kwargs: ``scope``, ``key``, ``status``.
+response_replayed = Signal()
+
+#: A retry arrived while the key was held: 409. kwargs: ``scope``, ``key``, ``retry_after``.
+request_conflicted = Signal()
+
+#: A key was reused for a different request: 422. kwargs: ``scope``, ``key``.
+payload_mismatched = Signal()
+
+#: A request's completion found another owner; its writes were rolled back.
+#: kwargs: ``scope``, ``key``.
+lease_lost = Signal()
+
+#: A response was stored. kwargs: ``scope``, ``key``, ``status``, ``retained``.
+request_completed = Signal()
+
+#: A key was released after a failure (exception or unstored response) so it can be retried.
+#: kwargs: ``scope``, ``key``, ``reason``.
+key_released = Signal()

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.conf import settings
+from rest_framework.test import APIClient
+
+from tests.backends import service_url
+from tests.testapp import views
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    database = settings.DATABASES["default"]
+    return f"database: {database['ENGINE']} {database.get('HOST') or database['NAME']}"
+
+
+def require_service(name: str) -> str:
+    """The service's URL, or skip (fail under REQUIRE_BACKENDS, see tests/backends.py)."""
+    url = service_url(name)
+    if url is None:
+        pytest.skip(f"{name} is not available")
+    return url
+
+
+@pytest.fixture
+def redis_url() -> str:
+    return require_service("redis")
+
+
+@pytest.fixture
+def amqp_url() -> str:
+    return require_service("amqp")
+
+
+@pytest.fixture
+def client() -> APIClient:
+    return APIClient()
+
+
+@pytest.fixture
+def key() -> str:
+    return f"key-{uuid.uuid4()}"
+
+
+@pytest.fixture
+def gate() -> Iterator[Any]:
+    """Hold a named view inside its transaction until the test opens the gate."""
+    import threading
+
+    names: list[str] = []
+
+    def make(name: str) -> tuple[threading.Event, threading.Event]:
+        names.append(name)
+        views.gates[name] = threading.Event()
+        views.started[name] = threading.Event()
+        return views.started[name], views.gates[name]
+
+    yield make
+    for name in names:
+        views.gates.pop(name).set()
+        views.started.pop(name, None)

@@ -1,0 +1,112 @@
+"""Settings for the test suite; ``TEST_DATABASE`` picks sqlite, postgresql or mariadb."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import environ
+
+from tests.backends import BackendUnavailable, service_url
+
+BASE_DIR = Path(__file__).resolve().parent
+TEST_DATABASE = os.environ.get("TEST_DATABASE", "sqlite")
+
+# One SQLite file per test run, shared with the server processes the tests start.
+os.environ.setdefault(
+    "IDEMPOTENCY_TEST_SQLITE",
+    str(Path(tempfile.gettempdir()) / f"django_idempotency_test_{os.getpid()}.sqlite3"),
+)
+
+
+def _database() -> dict[str, Any]:
+    if TEST_DATABASE == "sqlite":
+        path = os.environ["IDEMPOTENCY_TEST_SQLITE"]
+        config: dict[str, Any] = {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": path,
+            "OPTIONS": {
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 20,
+                "init_command": "PRAGMA journal_mode=WAL;",
+            },
+            "TEST": {"NAME": path},
+        }
+    else:
+        url = service_url(TEST_DATABASE)
+        if url is None:
+            raise BackendUnavailable(
+                f"TEST_DATABASE={TEST_DATABASE} but no server is reachable; "
+                f"set {TEST_DATABASE.upper()}_URL or start Docker."
+            )
+        config = environ.Env.db_url_config(url)
+        if TEST_DATABASE == "mariadb":
+            config["OPTIONS"] = {"charset": "utf8mb4"}
+            config["TEST"] = {"CHARSET": "utf8mb4", "COLLATION": "utf8mb4_unicode_ci"}
+    # Server processes started by a test connect to the test database, not the base one.
+    if os.environ.get("TEST_DATABASE_NAME"):
+        config["NAME"] = os.environ["TEST_DATABASE_NAME"]
+    return config
+
+
+SECRET_KEY = "tests-only-not-secret"
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+USE_TZ = True
+TIME_ZONE = "UTC"
+DATABASES = {"default": _database()}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "django_idempotency",
+    "tests.testapp",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django_idempotency.middleware.IdempotencyMiddleware",
+]
+ROOT_URLCONF = "tests.testapp.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+IDEMPOTENCY = {
+    "MIDDLEWARE_PATHS": [r"^/plain/middleware/", r"^/async/"],
+    "STORED_RESPONSE_HEADERS": ["Content-Type", "Location", "X-Widget-Id"],
+}
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"null": {"class": "logging.NullHandler"}},
+    "loggers": {"django_idempotency": {"handlers": ["null"], "level": "DEBUG"}},
+}
+if os.environ.get("IDEMPOTENCY_TEST_LEASE_SECONDS"):
+    IDEMPOTENCY["LEASE_SECONDS"] = float(os.environ["IDEMPOTENCY_TEST_LEASE_SECONDS"])

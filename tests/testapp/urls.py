@@ -1,0 +1,25 @@
+from django.contrib import admin
+from django.urls import include, path
+from rest_framework.routers import DefaultRouter
+
+from django_idempotency.decorators import idempotent
+from tests.testapp import views
+
+router = DefaultRouter()
+router.register("widgets", views.WidgetViewSet)
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/", include(router.urls)),
+    path("api/widget/", views.WidgetAPIView.as_view()),
+    path("api/other-widget/", views.WidgetAPIView.as_view()),
+    path("api/auth-widget/", views.AuthenticatedWidgetView.as_view()),
+    path("api/throttled-widget/", views.ThrottledWidgetView.as_view()),
+    path("api/heartbeat-widget/", views.HeartbeatWidgetView.as_view()),
+    path("api/function/", views.api_function_view),
+    path("plain/function/", views.plain_function_view),
+    path("plain/middleware/", views.plain_undecorated_view),
+    path("plain/upload/", idempotent(views.upload_view)),
+    path("plain/raw/", idempotent(views.raw_body_view)),
+    path("async/widget/", views.async_view),
+]
