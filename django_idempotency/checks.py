@@ -207,8 +207,10 @@ def _check_middleware(paths: Any, methods: Any) -> list[CheckMessage]:
                 id=E010,
             )
         )
-    if isinstance(methods, str) or not isinstance(methods, Iterable) or not all(
-        isinstance(method, str) and _TOKEN.match(method) for method in methods
+    if (
+        isinstance(methods, str)
+        or not isinstance(methods, Iterable)
+        or not all(isinstance(method, str) and _TOKEN.match(method) for method in methods)
     ):
         errors.append(
             Error(
@@ -254,7 +256,11 @@ def check_middleware_order(
     middleware = list(getattr(settings, "MIDDLEWARE", []))
     ours = "django_idempotency.middleware.IdempotencyMiddleware"
     auth = "django.contrib.auth.middleware.AuthenticationMiddleware"
-    if ours in middleware and auth in middleware and middleware.index(ours) < middleware.index(auth):
+    if (
+        ours in middleware
+        and auth in middleware
+        and middleware.index(ours) < middleware.index(auth)
+    ):
         return [
             Warning(
                 "IdempotencyMiddleware comes before AuthenticationMiddleware.",

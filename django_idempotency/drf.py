@@ -50,7 +50,7 @@ class IdempotencyMixin(_Base):
     idempotency_heartbeat: bool | None = None
 
     @classmethod
-    def as_view(cls, *args: Any, **initkwargs: Any) -> Callable[..., HttpResponseBase]:
+    def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
         view = super().as_view(*args, **initkwargs)
         # The claim must commit before the handler's transaction opens, which ATOMIC_REQUESTS
         # would prevent by wrapping both in one transaction. The mixin opens its own transaction
@@ -123,9 +123,8 @@ class IdempotencyMixin(_Base):
         # DRF itself binds ViewSet actions to method names on the instance the same way.
         setattr(self, handler_name, idempotent_handler)
 
-    def handle_exception(self, exc: Exception) -> HttpResponseBase:
-        response = super().handle_exception(exc)
-        return problem_details(response, exc, self.request)
+    def handle_exception(self, exc: Exception) -> Response:
+        return problem_details(super().handle_exception(exc), exc, self.request)
 
     def _idempotency_guards(self, request: Request) -> bool:
         method = (request.method or "").lower()
@@ -135,7 +134,6 @@ class IdempotencyMixin(_Base):
             and hasattr(self, method)
             and getattr(request._request, "idempotency", None) is None
         )
-
 
 
 def run_api_view(
@@ -200,7 +198,9 @@ def _run(
 
     def call_view() -> HttpResponseBase:
         # Finalize and render inside the transaction, so the stored bytes are the final ones.
-        response = view.finalize_response(request, call_handler(), *args[1:], **kwargs)
+        # finalize_response accepts any HttpResponse, not only DRF's Response.
+        handler_response: Any = call_handler()
+        response = view.finalize_response(request, handler_response, *args[1:], **kwargs)
         if isinstance(response, Response):
             response.render()
         return response
@@ -213,9 +213,9 @@ def _run(
         raise StoreUnavailable() from exc
 
 
-def problem_details(response: HttpResponseBase, exc: Exception, request: Any) -> HttpResponseBase:
+def problem_details(response: Response, exc: Exception, request: Any) -> Response:
     """Give our errors their problem+json body, on top of DRF's own exception handling."""
-    if not isinstance(exc, IdempotencyHTTPError) or not isinstance(response, Response):
+    if not isinstance(exc, IdempotencyHTTPError):
         return response
     response.data = exc.problem(conf.ERROR_TYPE_BASE)
     renderer = getattr(request, "accepted_renderer", None)

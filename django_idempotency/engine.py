@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.db import (
     IntegrityError,
@@ -28,7 +28,7 @@ from django.db import (
     router,
     transaction,
 )
-from django.db.models import F
+from django.db.models import Field
 from django.http import HttpRequest, HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 from django.utils import timezone
@@ -298,13 +298,16 @@ def _claim_postgresql(identity: Identity, using: str, now: datetime) -> Decision
     return _decide(record, identity, now)
 
 
+def _field(name: str) -> Field[Any, Any]:
+    return cast("Field[Any, Any]", IdempotencyRecord._meta.get_field(name))
+
+
 def _postgresql_claim_sql(
     identity: Identity, values: dict[str, Any], now: datetime, using: str
 ) -> tuple[str, list[Any]]:
     connection = connections[using]
-    meta = IdempotencyRecord._meta
     quote = connection.ops.quote_name
-    table = quote(meta.db_table)
+    table = quote(IdempotencyRecord._meta.db_table)
     insert_values = {
         "scope": identity.scope,
         "key": identity.key,
@@ -316,18 +319,19 @@ def _postgresql_claim_sql(
         "response_retained": True,
         "completed_at": None,
     }
-    columns = [meta.get_field(name).column for name in insert_values]
     params: list[Any] = [
-        meta.get_field(name).get_db_prep_save(value, connection)
-        for name, value in insert_values.items()
+        _field(name).get_db_prep_save(value, connection) for name, value in insert_values.items()
     ]
-    db_now = meta.get_field("expires_at").get_db_prep_save(now, connection)
+    db_now = _field("expires_at").get_db_prep_save(now, connection)
+
+    def column(name: str) -> str:
+        return quote(str(_field(name).column))
 
     def col(name: str) -> str:
-        return f"{table}.{quote(meta.get_field(name).column)}"
+        return f"{table}.{column(name)}"
 
     def excluded(name: str) -> str:
-        return f"EXCLUDED.{quote(meta.get_field(name).column)}"
+        return f"EXCLUDED.{column(name)}"
 
     expired = (
         f"({col('expires_at')} <= %s AND ({col('status')} = %s OR {col('lease_expires_at')} <= %s))"
@@ -337,26 +341,24 @@ def _postgresql_claim_sql(
         f"AND {col('fingerprint')} = {excluded('fingerprint')})"
     )
     takeover = f"({col('status')} = %s AND {col('expires_at')} > %s)"
-    resets = [
-        name
+    assignments = [
+        f"{column(name)} = {excluded(name)}"
         for name in insert_values
         if name not in ("scope", "key", "attempts", "created_at")
     ]
-    assignments = [f"{quote(meta.get_field(name).column)} = {excluded(name)}" for name in resets]
     assignments.append(
-        f"{quote(meta.get_field('attempts').column)} = "
-        f"CASE WHEN {takeover} THEN {col('attempts')} + 1 ELSE 1 END"
+        f"{column('attempts')} = CASE WHEN {takeover} THEN {col('attempts')} + 1 ELSE 1 END"
     )
     assignments.append(
-        f"{quote(meta.get_field('created_at').column)} = "
+        f"{column('created_at')} = "
         f"CASE WHEN {takeover} THEN {col('created_at')} ELSE {excluded('created_at')} END"
     )
     sql = (
         f"WITH claimed AS ("
-        f"INSERT INTO {table} ({', '.join(quote(c) for c in columns)}) "
-        f"VALUES ({', '.join(['%s'] * len(columns))}) "
-        f"ON CONFLICT ({quote(meta.get_field('scope').column)}, "
-        f"{quote(meta.get_field('key').column)}) DO UPDATE SET {', '.join(assignments)} "
+        f"INSERT INTO {table} ({', '.join(column(name) for name in insert_values)}) "
+        f"VALUES ({', '.join(['%s'] * len(insert_values))}) "
+        f"ON CONFLICT ({column('scope')}, {column('key')}) "
+        f"DO UPDATE SET {', '.join(assignments)} "
         f"WHERE {expired} OR {stale} "
         f"RETURNING {table}.*, true AS claimed) "
         f"SELECT * FROM claimed UNION ALL "
@@ -455,7 +457,7 @@ def extend(lease: Lease) -> bool:
         .filter(owner_token=lease.owner_token, status=PROCESSING)
         .update(lease_expires_at=timezone.now() + timedelta(seconds=conf.LEASE_SECONDS))
     )
-    return updated == 1
+    return bool(updated == 1)
 
 
 class LeaseHeartbeat:
@@ -469,7 +471,9 @@ class LeaseHeartbeat:
         self.lease = lease
         self.interval = interval if interval is not None else max(conf.LEASE_SECONDS / 3, 0.05)
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="idempotency-heartbeat", daemon=True)
+        self._thread = threading.Thread(
+            target=self._beat, name="idempotency-heartbeat", daemon=True
+        )
 
     def __enter__(self) -> LeaseHeartbeat:
         self._thread.start()
@@ -521,15 +525,17 @@ def run(
     """
     beat = heartbeat if heartbeat is not None else conf.LEASE_HEARTBEAT
     try:
-        with LeaseHeartbeat(lease) if beat else nullcontext():
-            with transaction.atomic(using=lease.using):
-                response = call_view()
-                if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
-                    response.render()
-                if not should_store(response):
-                    raise _Discard(response)
-                stored = capture(response)
-                complete(lease, stored)
+        with (
+            LeaseHeartbeat(lease) if beat else nullcontext(),
+            transaction.atomic(using=lease.using),
+        ):
+            response = call_view()
+            if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
+                response.render()
+            if not should_store(response):
+                raise _Discard(response)
+            stored = capture(response)
+            complete(lease, stored)
     except _Discard as discard:
         release(lease, reason="not_stored")
         discard.response[conf.REPLAY_HEADER] = "false"

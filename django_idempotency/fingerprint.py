@@ -90,14 +90,14 @@ def _canonical_fields(fields: QueryDict | MultiValueDict[str, Any]) -> bytes:
 
 def _hash_multipart(request: HttpRequest, digest: Any) -> None:
     """Field values plus a streamed digest of each file; uploads never sit in memory whole."""
+    fields: QueryDict
+    files: MultiValueDict[str, Any]
     if request.method == "POST":
         fields, files = request.POST, request.FILES
     else:
         # Django parses multipart only for POST; parse it here and leave the result where
         # ``request.POST``/``FILES`` (and DRF's form parsing) will find it.
-        parser = MultiPartParser(
-            request.META, request, request.upload_handlers, request.encoding
-        )
+        parser = MultiPartParser(request.META, request, request.upload_handlers, request.encoding)
         fields, files = parser.parse()
         request._post, request._files = fields, files  # type: ignore[attr-defined]
     digest.update(b"multipart\n" + _canonical_fields(fields) + b"\n")
@@ -117,7 +117,8 @@ def _hash_raw_stream(request: HttpRequest, digest: Any) -> None:
     ``request.body`` would refuse it (DATA_UPLOAD_MAX_MEMORY_SIZE) where a view that streams
     the request would not, so the body is read as a stream and handed back as a file.
     """
-    spool = SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE)
+    # The spool outlives this function: the request owns it and closes it with its stream.
+    spool = SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE)  # noqa: SIM115
     digest.update(b"raw\n")
     while chunk := request.read(_CHUNK):
         digest.update(chunk)
@@ -125,8 +126,8 @@ def _hash_raw_stream(request: HttpRequest, digest: Any) -> None:
     spool.seek(0)
     # HttpRequest reads from ``_stream``; resetting ``_read_started`` lets the view (or DRF)
     # read the body as if it had never been touched.
-    request._stream = spool  # type: ignore[attr-defined]
-    request._read_started = False
+    request._stream = spool  # type: ignore[assignment]
+    request._read_started = False  # type: ignore[attr-defined]
 
 
 def prepare_body(request: HttpRequest) -> None:

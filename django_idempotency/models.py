@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
@@ -15,7 +14,9 @@ class IdempotencyRecord(models.Model):
     scope = models.CharField(
         _("scope"),
         max_length=255,
-        help_text=_("Who sent the key (by default the user); the same key in two scopes is two records."),
+        help_text=_(
+            "Who sent the key (by default the user); the same key in two scopes is two records."
+        ),
     )
     key = models.CharField(
         _("key"), max_length=255, help_text=_("The Idempotency-Key header as the client sent it.")
@@ -30,11 +31,15 @@ class IdempotencyRecord(models.Model):
         max_length=16,
         choices=RecordStatus.choices,
         default=RecordStatus.PROCESSING,
-        help_text=_("PROCESSING while a request holds the lease, COMPLETED once its response is stored."),
+        help_text=_(
+            "PROCESSING while a request holds the lease, COMPLETED once its response is stored."
+        ),
     )
     owner_token = models.UUIDField(
         _("owner token"),
-        help_text=_("Fencing token of the request holding the key; only it may complete or release it."),
+        help_text=_(
+            "Fencing token of the request holding the key; only it may complete or release it."
+        ),
     )
     lease_expires_at = models.DateTimeField(
         _("lease expires at"),
@@ -45,7 +50,9 @@ class IdempotencyRecord(models.Model):
     attempts = models.PositiveIntegerField(
         _("attempts"), default=1, help_text=_("How many requests have held this key.")
     )
-    method = models.CharField(_("method"), max_length=16, help_text=_("HTTP method of the request."))
+    method = models.CharField(
+        _("method"), max_length=16, help_text=_("HTTP method of the request.")
+    )
     path = models.TextField(_("path"), help_text=_("Path and query string of the request."))
     response_status = models.PositiveSmallIntegerField(
         _("response status"), null=True, blank=True, help_text=_("Status code replayed to retries.")
@@ -64,7 +71,9 @@ class IdempotencyRecord(models.Model):
         default=True,
         help_text=_("False when the body was streamed or larger than MAX_RESPONSE_BYTES."),
     )
-    created_at = models.DateTimeField(_("created at"), help_text=_("When the key was first claimed."))
+    created_at = models.DateTimeField(
+        _("created at"), help_text=_("When the key was first claimed.")
+    )
     completed_at = models.DateTimeField(
         _("completed at"), null=True, blank=True, help_text=_("When the response was stored.")
     )

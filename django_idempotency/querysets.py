@@ -10,12 +10,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 if TYPE_CHECKING:
-    from django_idempotency.models import IdempotencyRecord
-
-    _RecordQuerySetBase = models.QuerySet[IdempotencyRecord]
-else:
-    _RecordQuerySetBase = models.QuerySet
-
+    from django_idempotency.models import IdempotencyRecord  # noqa: F401  (named in a string)
 
 
 class RecordStatus(models.TextChoices):
@@ -36,7 +31,7 @@ def expired_q(now: datetime) -> Q:
     return Q(expires_at__lte=now) & (Q(status=COMPLETED) | Q(lease_expires_at__lte=now))
 
 
-class IdempotencyRecordQuerySet(_RecordQuerySetBase):
+class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
     def for_key(self, scope: str, key: str) -> IdempotencyRecordQuerySet:
         return self.filter(scope=scope, key=key)
 
@@ -59,4 +54,3 @@ class IdempotencyRecordQuerySet(_RecordQuerySetBase):
 
     def live(self, now: datetime | None = None) -> IdempotencyRecordQuerySet:
         return self.exclude(expired_q(now or timezone.now()))
-

@@ -62,7 +62,7 @@ def _start_container(name: str) -> str:
         from testcontainers.postgres import PostgresContainer
 
         container = PostgresContainer("postgres:16-alpine", driver=None).start()
-        url = container.get_connection_url()
+        url = str(container.get_connection_url())
     elif name == "mariadb":
         from testcontainers.mysql import MySqlContainer
 

@@ -98,7 +98,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
-IDEMPOTENCY = {
+IDEMPOTENCY: dict[str, Any] = {
     "MIDDLEWARE_PATHS": [r"^/plain/middleware/", r"^/async/"],
     "STORED_RESPONSE_HEADERS": ["Content-Type", "Location", "X-Widget-Id"],
 }

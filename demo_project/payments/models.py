@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import uuid
+from decimal import Decimal
+
+from django.db import models
+
+
+class Account(models.Model):
+    name = models.CharField(max_length=32, unique=True)
+    balance = models.DecimalField(max_digits=14, decimal_places=2, default=Decimal("0.00"))
+    currency = models.CharField(max_length=3, default="USD")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Payment(models.Model):
+    class Status(models.TextChoices):
+        COMPLETED = "completed"
+        REFUNDED = "refunded"
+        DISPUTED = "disputed"
+
+    transaction_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    amount = models.DecimalField(max_digits=14, decimal_places=2)
+    currency = models.CharField(max_length=3)
+    source_account = models.ForeignKey(Account, on_delete=models.PROTECT, related_name="+")
+    destination_account = models.ForeignKey(Account, on_delete=models.PROTECT, related_name="+")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.COMPLETED)
+    processed_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return str(self.transaction_id)
