@@ -31,6 +31,8 @@ DEFAULTS: dict[str, Any] = {
     "MIDDLEWARE_METHODS": ("POST", "PATCH"),
     "ERROR_TYPE_BASE": "urn:django-idempotency:error:",
     "LOG_KEYS": False,
+    # Redis fast path: the django-redis cache alias to use, or None for the database only.
+    "CACHE_ALIAS": None,
 }
 
 #: Response headers never stored, whatever ``STORED_RESPONSE_HEADERS`` says: replaying them
@@ -136,6 +138,11 @@ class IdempotencySettings:
     @property
     def LOG_KEYS(self) -> bool:
         return bool(self.get("LOG_KEYS"))
+
+    @property
+    def CACHE_ALIAS(self) -> str | None:
+        alias = self.get("CACHE_ALIAS")
+        return None if alias is None else str(alias)
 
 
 conf = IdempotencySettings()
