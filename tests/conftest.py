@@ -62,3 +62,13 @@ def gate() -> Iterator[Any]:
     for name in names:
         views.gates.pop(name).set()
         views.started.pop(name, None)
+
+
+@pytest.fixture
+def idempotency_settings(settings: Any) -> Any:
+    """Change some IDEMPOTENCY settings for one test, keeping the others."""
+
+    def update(**values: Any) -> None:
+        settings.IDEMPOTENCY = {**settings.IDEMPOTENCY, **values}
+
+    return update
