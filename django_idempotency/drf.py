@@ -25,7 +25,7 @@ from django_idempotency.exceptions import (
     LeaseLostConflict,
     StoreUnavailable,
 )
-from django_idempotency.fingerprint import prepare_body, request_fingerprint
+from django_idempotency.fingerprint import hand_over_cleanup, prepare_body, request_fingerprint
 from django_idempotency.responses import PROBLEM_CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -123,6 +123,13 @@ class IdempotencyMixin(_Base):
         # DRF itself binds ViewSet actions to method names on the instance the same way.
         setattr(self, handler_name, idempotent_handler)
 
+    def finalize_response(
+        self, request: Request, response: Any, *args: Any, **kwargs: Any
+    ) -> Response:
+        response = super().finalize_response(request, response, *args, **kwargs)
+        hand_over_cleanup(request._request, response)
+        return response
+
     def handle_exception(self, exc: Exception) -> Response:
         return problem_details(super().handle_exception(exc), exc, self.request)
 
@@ -146,6 +153,18 @@ def run_api_view(
     heartbeat: bool | None,
 ) -> HttpResponseBase:
     """``@idempotent`` below ``@api_view``: the same lifecycle as the mixin, for a function."""
+    response = _run_api_view(request, func, args, kwargs, should_store, heartbeat)
+    return hand_over_cleanup(request._request, response)
+
+
+def _run_api_view(
+    request: Request,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    should_store: Callable[[HttpResponseBase], bool],
+    heartbeat: bool | None,
+) -> HttpResponseBase:
     view: APIView = request.parser_context["view"]
     try:
         decision = _claim(

@@ -44,7 +44,11 @@ from django_idempotency.exceptions import (
     StoreUnavailable,
     TransactionInProgress,
 )
-from django_idempotency.fingerprint import canonical_path, request_fingerprint
+from django_idempotency.fingerprint import (
+    canonical_path,
+    hand_over_cleanup,
+    request_fingerprint,
+)
 from django_idempotency.keys import parse_key, redact
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.querysets import COMPLETED, PROCESSING, expired_q, lease_expired_q
@@ -524,6 +528,10 @@ def run(
     releasing the key.
     """
     beat = heartbeat if heartbeat is not None else conf.LEASE_HEARTBEAT
+    if connections[lease.using].vendor == "sqlite":
+        # SQLite has one writer at a time: while the view's transaction holds the write lock
+        # nobody can take the key over, and a heartbeat could not write either.
+        beat = False
     try:
         with (
             LeaseHeartbeat(lease) if beat else nullcontext(),
@@ -576,6 +584,16 @@ def process_request(
     heartbeat: bool | None = None,
 ) -> HttpResponseBase:
     """The whole state machine around a plain Django view (decorator and middleware)."""
+    response = _process_request(request, call_view, should_store, heartbeat)
+    return hand_over_cleanup(request, response)
+
+
+def _process_request(
+    request: HttpRequest,
+    call_view: Callable[[], HttpResponseBase],
+    should_store: Callable[[HttpResponseBase], bool],
+    heartbeat: bool | None,
+) -> HttpResponseBase:
     try:
         key = read_key(request)
         if key is None:

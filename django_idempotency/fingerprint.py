@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 from django.conf import settings
-from django.http import HttpRequest, QueryDict
+from django.http import HttpRequest, HttpResponseBase, QueryDict
 from django.http.multipartparser import MultiPartParser
 from django.utils.datastructures import MultiValueDict
 
@@ -124,6 +124,7 @@ def _hash_raw_stream(request: HttpRequest, digest: Any) -> None:
         digest.update(chunk)
         spool.write(chunk)
     spool.seek(0)
+    request._idempotency_cleanup = [spool.close]  # type: ignore[attr-defined]
     # HttpRequest reads from ``_stream``; resetting ``_read_started`` lets the view (or DRF)
     # read the body as if it had never been touched.
     request._stream = spool  # type: ignore[assignment]
@@ -134,3 +135,11 @@ def prepare_body(request: HttpRequest) -> None:
     """Read and cache a body that fits in memory, before anything else consumes the stream."""
     if request.content_type != "multipart/form-data" and _fits_in_memory(request):
         request.body  # noqa: B018  (the property caches the body on the request)
+
+
+def hand_over_cleanup(request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:
+    """Close what fingerprinting opened (a spooled body) when the server closes the response."""
+    for close in getattr(request, "_idempotency_cleanup", ()):
+        response._resource_closers.append(close)
+    request._idempotency_cleanup = []  # type: ignore[attr-defined]
+    return response

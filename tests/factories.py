@@ -17,7 +17,7 @@ class UserFactory(factory.django.DjangoModelFactory):  # type: ignore[misc]
         model = get_user_model()
 
     username = factory.Sequence(lambda n: f"user{n}")
-    password = factory.PostGenerationMethodCall("set_password", "pw")
+    password = factory.django.Password("pw")
 
 
 class IdempotencyRecordFactory(factory.django.DjangoModelFactory):  # type: ignore[misc]

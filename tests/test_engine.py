@@ -121,9 +121,7 @@ def test_other_fingerprint_is_a_mismatch(claim_path, state):
 def test_expired_lease_is_taken_over_with_a_new_owner(claim_path):
     ident = identity()
     taken_over = []
-    signals.key_taken_over.connect(
-        lambda **kw: taken_over.append(kw), dispatch_uid="t", weak=False
-    )
+    signals.key_taken_over.connect(lambda **kw: taken_over.append(kw), dispatch_uid="t", weak=False)
     try:
         with freeze_time("2026-01-01 12:00:00") as clock:
             first = proceed(ident)
