@@ -165,11 +165,9 @@ def _check_status_codes(value: Any) -> list[CheckMessage]:
 
 
 def _check_stored_headers(value: Any) -> list[CheckMessage]:
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        names: list[Any] = [value]
-    else:
-        names = list(value)
-    if not all(isinstance(name, str) and _TOKEN.match(name) for name in names):
+    is_list = isinstance(value, Iterable) and not isinstance(value, str | bytes)
+    names: list[Any] = list(value) if is_list else []
+    if not is_list or not all(isinstance(name, str) and _TOKEN.match(name) for name in names):
         return [
             Error(
                 "IDEMPOTENCY['STORED_RESPONSE_HEADERS'] must be a list of header names.",

@@ -126,9 +126,9 @@ class IdempotencyMixin(_Base):
     def finalize_response(
         self, request: Request, response: Any, *args: Any, **kwargs: Any
     ) -> Response:
-        response = super().finalize_response(request, response, *args, **kwargs)
-        hand_over_cleanup(request._request, response)
-        return response
+        finalized = super().finalize_response(request, response, *args, **kwargs)
+        hand_over_cleanup(request._request, finalized)
+        return finalized
 
     def handle_exception(self, exc: Exception) -> Response:
         return problem_details(super().handle_exception(exc), exc, self.request)

@@ -140,6 +140,6 @@ def prepare_body(request: HttpRequest) -> None:
 def hand_over_cleanup(request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:
     """Close what fingerprinting opened (a spooled body) when the server closes the response."""
     for close in getattr(request, "_idempotency_cleanup", ()):
-        response._resource_closers.append(close)
+        response._resource_closers.append(close)  # type: ignore[attr-defined]
     request._idempotency_cleanup = []  # type: ignore[attr-defined]
     return response

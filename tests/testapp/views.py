@@ -1,12 +1,14 @@
 """Views that exercise every integration. The JSON body steers what they do:
 
-``name`` (required), ``sleep`` seconds, ``fail`` (raise), ``status`` (answer with it),
-``stream`` (streaming response), ``big`` (bytes of padding in the response).
+``name`` (required), ``sleep`` seconds, ``hold_file`` (wait while that file exists),
+``fail`` (raise), ``status`` (answer with it), ``stream`` (streaming response), ``big`` (bytes
+of padding in the response).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -42,6 +44,10 @@ def perform(data: dict[str, Any], request: Any) -> tuple[Widget, dict[str, Any]]
         gates[name].wait(30)
     if data.get("sleep"):
         time.sleep(float(data["sleep"]))
+    if data.get("hold_file"):  # held across processes until the test deletes the file
+        deadline = time.monotonic() + 60
+        while os.path.exists(data["hold_file"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
     if data.get("fail"):
         raise BoomError("the view failed after writing")
     lease = getattr(getattr(request, "_request", request), "idempotency", None)

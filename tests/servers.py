@@ -1,0 +1,90 @@
+"""Real server processes for tests: gunicorn serving the test project on the test database."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    port: int
+    process: subprocess.Popen[bytes]
+
+    def request(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
+        timeout: float = 30,
+    ) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            payload = json.dumps(body).encode() if body is not None else None
+            all_headers = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=payload, headers=all_headers)
+            response = conn.getresponse()
+            return response.status, dict(response.getheaders()), response.read()
+        finally:
+            conn.close()
+
+    def worker_pids(self) -> list[int]:
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        return [int(pid) for pid in children.read_text().split()]
+
+
+@contextlib.contextmanager
+def gunicorn(workers: int = 1, **env: str) -> Iterator[Server]:
+    """gunicorn on the database the current test uses; killed on exit, whatever happened."""
+    port = free_port()
+    environment = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "TEST_DATABASE_NAME": str(connection.settings_dict["NAME"]),
+        "PYTHONPATH": str(ROOT),
+        **env,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "tests.wsgi:application", "--bind",
+         f"127.0.0.1:{port}", "--workers", str(workers), "--timeout", "120",
+         "--graceful-timeout", "1", "--log-level", "warning"],
+        cwd=ROOT, env=environment, start_new_session=True,
+    )  # fmt: skip
+    server = Server(port, process)
+    try:
+        _wait_until_listening(server)
+        yield server
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+def _wait_until_listening(server: Server, deadline: float = 60) -> None:
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"gunicorn exited with {server.process.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", server.port), 1):
+            if server.worker_pids():
+                return
+        time.sleep(0.1)
+    raise RuntimeError("gunicorn did not start listening")
