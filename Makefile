@@ -5,9 +5,14 @@
 
 SHELL := /bin/bash
 PYTHON ?= python3
-# Django 6 needs Python 3.12+; the first of these that exists is used.
-PYTHON_DJANGO6 ?= $(firstword $(shell command -v python3.13 python3.12 2>/dev/null) \
-	$(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3 $(HOME)/.pyenv/versions/3.12*/bin/python3))
+# Django 6 needs Python 3.12+: the first of these that actually runs is used (pyenv shims
+# exist for versions that are not selected, so existence alone proves nothing).
+ifndef PYTHON_DJANGO6
+PYTHON_DJANGO6 := $(shell for candidate in python3.13 python3.12 \
+	$(HOME)/.pyenv/versions/3.13*/bin/python3 $(HOME)/.pyenv/versions/3.12*/bin/python3; do \
+	"$$candidate" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null \
+	&& { "$$candidate" -c 'import sys; print(sys.executable)'; break; }; done)
+endif
 VENV := .venv
 VENV_DJANGO6 := .venv-django6
 PIP_FLAGS ?= --quiet --disable-pip-version-check
