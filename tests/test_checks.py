@@ -95,6 +95,7 @@ def test_middleware_before_authentication_warns(settings):
     assert [m.id for m in checks.check_middleware_order()] == [checks.W004]
 
 
+@pytest.mark.django_db  # Django 6's model checks ask the database about JSON support
 def test_checks_are_registered_with_django():
     with override_settings(IDEMPOTENCY={"TTL_SECONDS": 1, "LEASE_SECONDS": 30}):
         assert checks.E004 in {message.id for message in run_checks()}
