@@ -9,7 +9,7 @@ from typing import Any
 
 import environ
 
-from tests.backends import BackendUnavailable, service_url
+from tests.backends import ENV_VARS, BackendUnavailable, service_url
 
 BASE_DIR = Path(__file__).resolve().parent
 TEST_DATABASE = os.environ.get("TEST_DATABASE", "sqlite")
@@ -39,7 +39,7 @@ def _database() -> dict[str, Any]:
         if url is None:
             raise BackendUnavailable(
                 f"TEST_DATABASE={TEST_DATABASE} but no server is reachable; "
-                f"set {TEST_DATABASE.upper()}_URL or start Docker."
+                f"set {ENV_VARS[TEST_DATABASE]} or start Docker."
             )
         config = environ.Env.db_url_config(url)
         if TEST_DATABASE == "mariadb":
