@@ -50,7 +50,8 @@ def idempotent(
         @functools.wraps(func)
         def wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
             if request.method not in guarded_methods or _already_guarded(request):
-                return func(request, *args, **kwargs)
+                with engine.atomic_requests():
+                    return func(request, *args, **kwargs)
             if hasattr(request, "parser_context"):
                 from django_idempotency.drf import run_api_view
 
@@ -64,7 +65,9 @@ def idempotent(
                 heartbeat=heartbeat,
             )
 
-        return wrapper
+        # Under @api_view this flag sits on the inner function where Django never looks; with
+        # ATOMIC_REQUESTS, put @transaction.non_atomic_requests above @api_view as well.
+        return engine.opt_out_of_atomic_requests(wrapper)
 
     return decorate(view) if view is not None else decorate
 

@@ -9,10 +9,8 @@ completion in one ``transaction.atomic``.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-from django.db import connections, transaction
 from django.http import HttpResponseBase
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -51,20 +49,12 @@ class IdempotencyMixin(_Base):
 
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
-        view = super().as_view(*args, **initkwargs)
-        # The claim must commit before the handler's transaction opens, which ATOMIC_REQUESTS
-        # would prevent by wrapping both in one transaction. The mixin opens its own transaction
-        # around the handler instead, and keeps ATOMIC_REQUESTS for the other methods.
-        view._non_atomic_requests = set(connections)  # type: ignore[attr-defined]
-        return view
+        return engine.opt_out_of_atomic_requests(super().as_view(*args, **initkwargs))
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
         if request.method in self.idempotent_methods:
             return super().dispatch(request, *args, **kwargs)
-        with ExitStack() as stack:
-            for alias, settings_dict in connections.settings.items():
-                if settings_dict.get("ATOMIC_REQUESTS"):
-                    stack.enter_context(transaction.atomic(using=alias))
+        with engine.atomic_requests():
             return super().dispatch(request, *args, **kwargs)
 
     # --- hooks -----------------------------------------------------------------------------

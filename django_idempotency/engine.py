@@ -15,10 +15,10 @@ import math
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from django.db import (
     IntegrityError,
@@ -65,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 #: Database errors that mean "the database is not there", answered 503 rather than 500.
 UNAVAILABLE_ERRORS = (OperationalError, InterfaceError)
+
+ViewT = TypeVar("ViewT", bound=Callable[..., Any])
 
 _MAX_SCOPE_LENGTH = 255
 _CLAIM_ROUNDS = 5
@@ -157,6 +159,27 @@ def resolve_scope(request: Any) -> str:
 
 def database_alias() -> str:
     return router.db_for_write(IdempotencyRecord)
+
+
+def opt_out_of_atomic_requests(view: ViewT) -> ViewT:
+    """Stop ATOMIC_REQUESTS from wrapping ``view`` in one transaction.
+
+    The claim must commit before the view's transaction opens; ATOMIC_REQUESTS would put both
+    in one transaction and make concurrent duplicates wait for the first request to finish.
+    Guarded requests get their own transaction from :func:`run`; other requests get the
+    ATOMIC_REQUESTS transactions back from :func:`atomic_requests`.
+    """
+    view._non_atomic_requests = set(connections)  # type: ignore[attr-defined]
+    return view
+
+
+def atomic_requests() -> ExitStack:
+    """The transactions ATOMIC_REQUESTS would have opened, for requests the view does not guard."""
+    stack = ExitStack()
+    for alias, settings_dict in connections.settings.items():
+        if settings_dict.get("ATOMIC_REQUESTS"):
+            stack.enter_context(transaction.atomic(using=alias))
+    return stack
 
 
 # --- claim -------------------------------------------------------------------------------------

@@ -109,8 +109,6 @@ def test_viewset_create_and_partial_update(client, key):
 
 
 def test_atomic_requests_do_not_swallow_the_claim(client, key, gate):
-    databases = {alias: {**config, "ATOMIC_REQUESTS": True} for alias, config in
-                 __import__("django.conf").conf.settings.DATABASES.items()}  # fmt: skip
     connection.settings_dict["ATOMIC_REQUESTS"] = True
     try:
         started, release = gate("atomic")
@@ -129,7 +127,6 @@ def test_atomic_requests_do_not_swallow_the_claim(client, key, gate):
         thread.join(20)
     finally:
         connection.settings_dict["ATOMIC_REQUESTS"] = False
-    assert databases  # the test ran with ATOMIC_REQUESTS on every alias
     assert results["second"].status_code == 409
     assert results["first"].status_code == 201
     assert Widget.objects.count() == 1
@@ -255,3 +252,28 @@ def test_logs_redact_keys_unless_configured(client, key, caplog, idempotency_set
     idempotency_settings(LOG_KEYS=True)
     post_json(client, "/api/widget/", key, {"name": "w"})
     assert caplog.records[-1].idempotency_key == key
+
+
+@pytest.mark.parametrize("url", ["/plain/function/", "/api/widget/"])
+def test_atomic_requests_still_wrap_unguarded_methods(client, url):
+    from django.db import transaction
+
+    seen = []
+    connection.settings_dict["ATOMIC_REQUESTS"] = True
+    try:
+        from tests.testapp import views
+
+        original = views.perform
+
+        def spy(data, request):
+            seen.append(transaction.get_connection().in_atomic_block)
+            return original(data, request)
+
+        views.perform = spy
+        try:
+            client.put(url, {"name": "w"}, format="json")
+        finally:
+            views.perform = original
+    finally:
+        connection.settings_dict["ATOMIC_REQUESTS"] = False
+    assert seen == [True]
