@@ -9,6 +9,7 @@ by the owner token: a request that lost its lease to a takeover updates nothing,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -33,7 +34,7 @@ from django.http import HttpRequest, HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 from django.utils import timezone
 
-from django_idempotency import signals
+from django_idempotency import fastpath, signals
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import (
     IdempotencyHTTPError,
@@ -163,13 +164,32 @@ def claim(identity: Identity) -> Decision:
 
     Raises :class:`StoreUnavailable` when the database cannot be reached.
     """
+    owner_token = uuid.uuid4()
+    # Redis fast path hook (fastpath.py): a replay or a concurrent duplicate is answered from
+    # Redis without a query; otherwise our in-flight marker is set first, with our owner token.
+    answer, marked = fastpath.claim(identity, owner_token)
+    if answer is not None:
+        _announce(identity, answer)
+        return answer
+    try:
+        decision = _claim_in_database(identity, owner_token)
+    except BaseException:
+        if marked:
+            fastpath.release(identity, owner_token)
+        raise
+    if marked and not isinstance(decision, Proceed):
+        fastpath.release(identity, owner_token)  # the marker stands only for a request that runs
+    return decision
+
+
+def _claim_in_database(identity: Identity, owner_token: uuid.UUID) -> Decision:
     using = database_alias()
     connection = connections[using]
     claim_round = _claim_postgresql if connection.vendor == "postgresql" else _claim_portable
     try:
         for _ in range(_CLAIM_ROUNDS):
             now = timezone.now()
-            decision = claim_round(identity, using, now)
+            decision = claim_round(identity, using, now, owner_token)
             if decision is not None:
                 _announce(identity, decision)
                 return decision
@@ -187,12 +207,12 @@ def claim(identity: Identity) -> Decision:
     return decision
 
 
-def _new_record_values(identity: Identity, now: datetime) -> dict[str, Any]:
+def _new_record_values(identity: Identity, now: datetime, owner_token: uuid.UUID) -> dict[str, Any]:
     lease_seconds = conf.LEASE_SECONDS
     return {
         "fingerprint": identity.fingerprint,
         "status": PROCESSING,
-        "owner_token": uuid.uuid4(),
+        "owner_token": owner_token,
         "lease_expires_at": now + timedelta(seconds=lease_seconds),
         "method": identity.method,
         "path": identity.path,
@@ -232,7 +252,9 @@ def _stored(record: IdempotencyRecord) -> StoredResponse:
     )
 
 
-def _claim_portable(identity: Identity, using: str, now: datetime) -> Decision | None:
+def _claim_portable(
+    identity: Identity, using: str, now: datetime, owner_token: uuid.UUID
+) -> Decision | None:
     """SELECT, then INSERT or a fenced takeover UPDATE. Every statement commits on its own.
 
     Inside an outer transaction (which defeats the point, but happens in tests and under
@@ -244,7 +266,7 @@ def _claim_portable(identity: Identity, using: str, now: datetime) -> Decision |
     if connection.in_atomic_block:
         records = records.select_for_update()
     record = records.first()
-    values = _new_record_values(identity, now)
+    values = _new_record_values(identity, now, owner_token)
     if record is None:
         try:
             with _statement_savepoint(using):
@@ -278,7 +300,9 @@ def _claim_portable(identity: Identity, using: str, now: datetime) -> Decision |
     return Proceed(_lease(identity, values, attempt=attempt, using=using))
 
 
-def _claim_postgresql(identity: Identity, using: str, now: datetime) -> Decision | None:
+def _claim_postgresql(
+    identity: Identity, using: str, now: datetime, owner_token: uuid.UUID
+) -> Decision | None:
     """One statement for every path: insert, take over, reuse an expired record, or read it.
 
     ``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` locks the conflicting row and re-checks the
@@ -287,7 +311,7 @@ def _claim_postgresql(identity: Identity, using: str, now: datetime) -> Decision
     is enough to replay, answer 409 or 422. If a concurrent statement committed the row after our
     snapshot began, nothing comes back and the caller simply runs another round.
     """
-    values = _new_record_values(identity, now)
+    values = _new_record_values(identity, now, owner_token)
     sql, params = _postgresql_claim_sql(identity, values, now, using)
     rows = list(IdempotencyRecord.objects.using(using).raw(sql, params))
     if not rows:
@@ -406,6 +430,7 @@ def complete(lease: Lease, stored: StoredResponse) -> None:
     business transaction roll back.
     """
     now = timezone.now()
+    expires_at = now + timedelta(seconds=conf.TTL_SECONDS)
     updated = (
         IdempotencyRecord.objects.using(lease.using)
         .for_key(lease.identity.scope, lease.identity.key)
@@ -417,12 +442,18 @@ def complete(lease: Lease, stored: StoredResponse) -> None:
             response_body=stored.body,
             response_retained=stored.retained,
             completed_at=now,
-            expires_at=now + timedelta(seconds=conf.TTL_SECONDS),
+            expires_at=expires_at,
             lease_expires_at=None,
         )
     )
     if updated != 1:
         raise LeaseLost(f"lease on {redact(lease.identity.key)} was taken over")
+    # Redis fast path hook: copy the response only once it is committed, never for a rollback.
+    transaction.on_commit(
+        functools.partial(fastpath.completed, lease, stored, expires_at),
+        using=lease.using,
+        robust=True,
+    )
 
 
 def release(lease: Lease, reason: str) -> bool:
@@ -444,6 +475,8 @@ def release(lease: Lease, reason: str) -> bool:
             exc_info=True,
         )
         return False
+    finally:
+        fastpath.release(lease.identity, lease.owner_token)  # Redis fast path hook
     if deleted:
         _send(signals.key_released, lease.identity, reason=reason)
     return bool(deleted)
