@@ -430,3 +430,12 @@ def test_concurrent_duplicates_run_once_with_the_fast_path(redis, key):
     assert len(statuses) == 6
     assert set(statuses) <= {201, 409}
     assert Widget.objects.filter(name="race").count() == 1
+
+
+def test_fast_path_adds_no_database_statement_to_a_first_request(
+    redis, client, key, django_assert_num_queries
+):
+    from tests.test_round_trips import BEGIN_COMMIT, FIRST_CLAIM
+
+    with django_assert_num_queries(FIRST_CLAIM[connections["default"].vendor] + BEGIN_COMMIT + 2):
+        assert post(client, key).status_code == 201
