@@ -128,12 +128,14 @@ def _completed(fingerprint: str, stored: StoredResponse) -> bytes:
     return _COMPLETED + json.dumps(meta, separators=(",", ":")).encode() + b"\n" + stored.body
 
 
-def _script(client: Any, source: str, keys: list[str], args: list[Any]) -> Any:
-    """EVALSHA; the first call to a Redis server (or after its restart) sends the source."""
+def _script(source: str, scope: str, key: str, *args: Any) -> Any:
+    """Run a script on the entry; EVALSHA, sending the source when Redis does not know it."""
+    client = _client()
+    name = redis_key(scope, key)
     try:
-        return client.evalsha(_sha1(source), len(keys), *keys, *args)
+        return client.evalsha(_sha1(source), 1, name, *args)
     except NoScriptError:
-        return client.eval(source, len(keys), *keys, *args)
+        return client.eval(source, 1, name, *args)
 
 
 @cache
@@ -156,10 +158,11 @@ def claim(identity: Identity, owner_token: uuid.UUID) -> tuple[Decision | None, 
     lease_ms = max(1, int(conf.LEASE_SECONDS * 1000))
     try:
         found = _script(
-            _client(),
             _CLAIM_SCRIPT,
-            [redis_key(identity.scope, identity.key)],
-            [_marker(owner_token, identity.fingerprint), lease_ms],
+            identity.scope,
+            identity.key,
+            _marker(owner_token, identity.fingerprint),
+            lease_ms,
         )
     except REDIS_ERRORS as exc:
         _failed("claim", identity.scope, identity.key, exc)
@@ -208,14 +211,12 @@ def completed(lease: Lease, stored: StoredResponse, expires_at: datetime) -> Non
         return
     try:
         _script(
-            _client(),
             _COMPLETE_SCRIPT,
-            [redis_key(identity.scope, identity.key)],
-            [
-                _marker(lease.owner_token, identity.fingerprint),
-                _completed(identity.fingerprint, stored),
-                remaining_ms,
-            ],
+            identity.scope,
+            identity.key,
+            _marker(lease.owner_token, identity.fingerprint),
+            _completed(identity.fingerprint, stored),
+            remaining_ms,
         )
     except REDIS_ERRORS as exc:
         _failed("complete", identity.scope, identity.key, exc)
@@ -227,10 +228,10 @@ def release(identity: Identity, owner_token: uuid.UUID) -> None:
         return
     try:
         _script(
-            _client(),
             _RELEASE_SCRIPT,
-            [redis_key(identity.scope, identity.key)],
-            [_marker(owner_token, identity.fingerprint)],
+            identity.scope,
+            identity.key,
+            _marker(owner_token, identity.fingerprint),
         )
     except REDIS_ERRORS as exc:
         _failed("release", identity.scope, identity.key, exc)
