@@ -10,7 +10,7 @@ without the Redis fast path, it times in one process, interleaved:
 and reports p50 and mean microseconds added over the baseline. Each backend runs in a fresh
 subprocess, since Django's settings are per process.
 
-    python -m benchmarks.micro [--iterations 3000] [--smoke]
+    python -m benchmarks.micro [--iterations 1000] [--smoke]
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def cell(timing: dict[str, float]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=3000)
+    parser.add_argument("--iterations", type=int, default=1000)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--child", choices=list(BACKENDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
