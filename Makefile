@@ -75,3 +75,27 @@ test-django6: $(VENV_DJANGO6)/.installed
 
 clean:
 	rm -rf $(VENV) $(VENV_DJANGO6) .coverage* site
+
+# --- benchmarks (not part of `make test`; see docs/performance.md) ---------------------------
+# The benchmark has its own environment, with the PyPI peers it is compared against; they are
+# never dependencies of the project. It needs wrk (apt-get install -y wrk) and PostgreSQL.
+BENCH_VENV := benchmarks/.venv
+BENCH_ARGS ?=
+
+.PHONY: bench bench-smoke
+
+$(BENCH_VENV)/.installed: pyproject.toml benchmarks/requirements.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install $(PIP_FLAGS) --upgrade pip
+	$(BENCH_VENV)/bin/pip install $(PIP_FLAGS) -r benchmarks/requirements.txt
+	touch $@
+
+## bench: the HTTP benchmark against the peers, then the in-process microbenchmark
+bench: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python -m benchmarks.run $(BENCH_ARGS)
+	$(BENCH_VENV)/bin/python -m benchmarks.micro
+
+## bench-smoke: every benchmark row with a few requests; fails on any error
+bench-smoke: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python -m benchmarks.run --smoke --output artifacts/bench-smoke.json
+	$(BENCH_VENV)/bin/python -m benchmarks.micro --smoke

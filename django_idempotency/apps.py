@@ -8,4 +8,7 @@ class IdempotencyConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_idempotency import checks  # noqa: F401  (registers the system checks)
+        from django_idempotency import (
+            checks,  # noqa: F401  (registers the system checks)
+            fastpath,  # noqa: F401  (listens to key_released)
+        )

@@ -28,6 +28,9 @@ W001 = "django_idempotency.W001"  # unknown key in IDEMPOTENCY
 W002 = "django_idempotency.W002"  # STORED_RESPONSE_HEADERS lists a header never stored
 W003 = "django_idempotency.W003"  # SQLite without IMMEDIATE transactions outside DEBUG
 W004 = "django_idempotency.W004"  # middleware placed before AuthenticationMiddleware
+E040 = "django_idempotency.E040"  # CACHE_ALIAS is not None or a configured cache alias
+E041 = "django_idempotency.E041"  # CACHE_ALIAS names a cache that is not django-redis
+W040 = "django_idempotency.W040"  # the CACHE_ALIAS cache has no socket timeouts
 
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _BOOLEANS = ("KEY_REQUIRED", "LEASE_HEARTBEAT", "LOG_KEYS")
@@ -264,6 +267,50 @@ def check_middleware_order(
                 "IdempotencyMiddleware comes before AuthenticationMiddleware.",
                 hint="Move it after AuthenticationMiddleware so keys are scoped by user.",
                 id=W004,
+            )
+        ]
+    return []
+
+
+_DJANGO_REDIS_BACKEND = "django_redis.cache.RedisCache"
+
+
+@register(Tags.caches)
+def check_fast_path(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """The Redis fast path needs a django-redis cache that fails fast when Redis hangs."""
+    user = getattr(settings, "IDEMPOTENCY", {})
+    alias = user.get("CACHE_ALIAS") if isinstance(user, dict) else None
+    if alias is None:
+        return []
+    caches_setting = getattr(settings, "CACHES", {})
+    if not isinstance(alias, str) or alias not in caches_setting:
+        return [
+            Error(
+                f"IDEMPOTENCY['CACHE_ALIAS'] = {alias!r} is not an alias in CACHES.",
+                hint="Name a django-redis cache from CACHES, or set it to None for the "
+                "database only.",
+                id=E040,
+            )
+        ]
+    cache = caches_setting[alias]
+    if cache.get("BACKEND") != _DJANGO_REDIS_BACKEND:
+        return [
+            Error(
+                f"CACHES[{alias!r}] (IDEMPOTENCY['CACHE_ALIAS']) uses {cache.get('BACKEND')!r}; "
+                f"the fast path needs {_DJANGO_REDIS_BACKEND!r}.",
+                hint="pip install 'django-idempotency[redis]' and set that BACKEND.",
+                id=E041,
+            )
+        ]
+    options = cache.get("OPTIONS") or {}
+    if not options.get("SOCKET_TIMEOUT") or not options.get("SOCKET_CONNECT_TIMEOUT"):
+        return [
+            Warning(
+                f"CACHES[{alias!r}] (IDEMPOTENCY['CACHE_ALIAS']) sets no SOCKET_TIMEOUT or "
+                "SOCKET_CONNECT_TIMEOUT: a Redis that hangs would hang every idempotent request.",
+                hint="Set OPTIONS = {'SOCKET_CONNECT_TIMEOUT': 0.1, 'SOCKET_TIMEOUT': 0.1}; "
+                "on a timeout the request falls back to the database.",
+                id=W040,
             )
         ]
     return []

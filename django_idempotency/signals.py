@@ -31,3 +31,8 @@ request_completed = Signal()
 #: A key was released after a failure (exception or unstored response) so it can be retried.
 #: kwargs: ``scope``, ``key``, ``reason``.
 key_released = Signal()
+
+#: The Redis fast path failed and the request used the database instead (never a duplicate).
+#: kwargs: ``scope``, ``key``, ``operation`` (``claim``, ``complete``, ``release`` or ``forget``),
+#: ``error`` (the exception). A failed ``forget`` means a stale copy may live until its expiry.
+fast_path_failed = Signal()

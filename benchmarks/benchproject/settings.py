@@ -1,0 +1,100 @@
+"""Benchmark-only settings: the demo's payments app, served in one of several variants.
+
+``BENCH_VARIANT`` picks what guards ``POST /api/v1/payments/``: ``ours`` (database only),
+``ours-redis`` (with the Redis fast path), or one of the PyPI peers wired as their READMEs
+say (``dik``: django-idempotency-key, ``drfi-db`` / ``drfi-redis``: drf-idempotency,
+``drfik``: drf-idempotencykey). ``all`` installs every app, for migrations.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import environ
+
+VARIANT = os.environ.get("BENCH_VARIANT", "ours")
+DATABASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/idem_speed")
+REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/2")
+
+SECRET_KEY = "benchmark-only"
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+USE_TZ = True
+TIME_ZONE = "UTC"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+ROOT_URLCONF = "benchmarks.benchproject.urls"
+WSGI_APPLICATION = "benchmarks.benchproject.wsgi.application"
+
+DATABASES = {"default": environ.Env.db_url_config(DATABASE_URL)}
+DATABASES["default"]["CONN_MAX_AGE"] = None  # one connection per worker, as in production
+if os.environ.get("BENCH_DATABASE_NAME"):
+    DATABASES["default"]["NAME"] = os.environ["BENCH_DATABASE_NAME"]
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    DATABASES["default"]["TEST"] = {"NAME": DATABASES["default"]["NAME"]}  # a file, not :memory:
+    DATABASES["default"]["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 20,
+        "init_command": "PRAGMA journal_mode=WAL;",
+    }
+
+CACHES: dict[str, Any] = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "redis": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "bench",
+        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 0.5},
+    },
+}
+
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "rest_framework",
+    "demo_project.payments",
+]
+MIDDLEWARE = ["django.middleware.common.CommonMiddleware"]
+REST_FRAMEWORK = {
+    # Every variant sees the same user without a query or a password hash: the scope is a user
+    # (drf-idempotencykey insists on one) and authentication costs nothing in the comparison.
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "benchmarks.benchproject.authentication.BenchUserAuthentication"
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+}
+LOGGING = {"version": 1, "disable_existing_loggers": False, "root": {"level": "ERROR"}}
+
+OURS = VARIANT in ("ours", "ours-redis", "all")
+if OURS:
+    INSTALLED_APPS.append("django_idempotency")
+    IDEMPOTENCY: dict[str, Any] = {"CACHE_ALIAS": "redis" if VARIANT == "ours-redis" else None}
+if VARIANT in ("dik", "all"):
+    INSTALLED_APPS.append("idempotency_key")
+    # README: the middleware makes every unsafe method require a key. Its default storage is
+    # per-process memory, which cannot work behind several workers, so the Django cache (Redis).
+    MIDDLEWARE.append("idempotency_key.middleware.IdempotencyKeyMiddleware")
+    CACHES["default"] = CACHES["redis"]
+    # CONFLICT_STATUS_CODE None: a repeat gets the stored response (its default is a 409).
+    IDEMPOTENCY_KEY = {
+        "STORAGE": {"CLASS": "idempotency_key.storage.CacheKeyStorage"},
+        "CONFLICT_STATUS_CODE": None,
+    }
+if VARIANT in ("drfi-db", "drfi-redis", "all"):
+    INSTALLED_APPS.append("drf_idempotency")
+    if VARIANT != "all":  # its IDEMPOTENCY setting has the same name as ours
+        MIDDLEWARE.append("drf_idempotency.middleware.IdempotencyMiddleware")
+        IDEMPOTENCY = {
+            "BACKEND": "drf_idempotency.backends.database.DatabaseBackend",
+        }
+        if VARIANT == "drfi-redis":
+            IDEMPOTENCY = {
+                "BACKEND": "drf_idempotency.backends.redis.RedisBackend",
+                "BACKEND_OPTIONS": {"url": REDIS_URL},
+            }
+if VARIANT in ("drfik", "all"):
+    INSTALLED_APPS.append("drf_idempotencykey")
+if VARIANT == "all":
+    IDEMPOTENCY = {}

@@ -1,0 +1,441 @@
+"""The Redis fast path against the real local Redis (and a private one for outages)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import close_old_connections, connections
+from django.http import HttpResponse
+from django.utils import timezone
+from django_redis import get_redis_connection
+from rest_framework.test import APIClient
+
+from django_idempotency import engine, fastpath, signals
+from django_idempotency.models import IdempotencyRecord
+from tests.testapp.models import Widget
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ALIAS = "idempotency-fast"
+
+
+def configure(settings: Any, location: str, **idempotency: Any) -> str:
+    """Point the fast path at ``location`` under a fresh key prefix; returns the prefix."""
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    settings.CACHES = {
+        **settings.CACHES,
+        ALIAS: {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": location,
+            "KEY_PREFIX": prefix,
+            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 2},
+        },
+    }
+    settings.IDEMPOTENCY = {**settings.IDEMPOTENCY, "CACHE_ALIAS": ALIAS, **idempotency}
+    return prefix
+
+
+@pytest.fixture
+def redis(redis_url: str, settings: Any) -> Iterator[Any]:
+    prefix = configure(settings, redis_url)
+    client = get_redis_connection(ALIAS)
+    yield client
+    for name in client.scan_iter(f"{prefix}:*"):
+        client.delete(name)
+
+
+@pytest.fixture
+def failures() -> Iterator[list[dict[str, Any]]]:
+    received: list[dict[str, Any]] = []
+
+    def record(sender: Any, **kwargs: Any) -> None:
+        received.append(kwargs)
+
+    signals.fast_path_failed.connect(record)
+    yield received
+    signals.fast_path_failed.disconnect(record)
+
+
+def post(client: APIClient, key: str, name: str = "a", **extra: Any) -> Any:
+    return client.post(
+        "/api/widget/", {"name": name, **extra}, format="json", HTTP_IDEMPOTENCY_KEY=key
+    )
+
+
+def entry(redis: Any, scope: str, key: str) -> bytes | None:
+    value: bytes | None = redis.get(fastpath.redis_key(scope, key))
+    return value
+
+
+def identity(key: str, scope: str = "tenant", fingerprint: str = "f" * 64) -> engine.Identity:
+    return engine.Identity(scope=scope, key=key, fingerprint=fingerprint, method="POST", path="/x")
+
+
+def run_to_completion(decision: engine.Decision, body: bytes = b"done") -> None:
+    assert isinstance(decision, engine.Proceed), decision
+    engine.run(decision.lease, lambda: HttpResponse(body, status=201))
+
+
+# --- replays and conflicts without the database -------------------------------------------------
+
+
+def test_replay_is_served_from_redis_without_a_query(redis, client, key, django_assert_num_queries):
+    first = post(client, key)
+    assert first.status_code == 201, first.content
+    assert entry(redis, "anonymous", key).startswith(b"C")
+    with django_assert_num_queries(0):
+        second = post(client, key)
+    assert second.status_code == 201
+    assert second["Idempotent-Replay"] == "true"
+    assert second.content == first.content
+    assert second["Location"] == first["Location"]
+    assert Widget.objects.count() == 1
+
+
+def test_concurrent_duplicate_gets_409_from_redis_without_a_query(
+    redis, client, key, gate, django_assert_num_queries
+):
+    started, release = gate("held-fast")
+    results: list[Any] = []
+
+    def first_request() -> None:
+        try:
+            results.append(post(APIClient(), key, name="held-fast"))
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=first_request)
+    thread.start()
+    try:
+        assert started.wait(30)
+        with django_assert_num_queries(0):
+            duplicate = post(client, key, name="held-fast")
+        assert duplicate.status_code == 409, duplicate.content
+        assert duplicate.json()["error"] == "transaction_in_progress"
+        assert 1 <= int(duplicate["Retry-After"]) <= 30
+    finally:
+        release.set()
+        thread.join(30)
+    assert results[0].status_code == 201
+    assert Widget.objects.filter(name="held-fast").count() == 1
+    replay = post(client, key, name="held-fast")
+    assert replay["Idempotent-Replay"] == "true"
+
+
+def test_in_flight_marker_expires_no_later_than_the_database_lease(redis, key):
+    decision = engine.claim(identity(key))
+    assert isinstance(decision, engine.Proceed)
+    marker_ms = redis.pttl(fastpath.redis_key("tenant", key))
+    read_at = timezone.now()  # the marker's deadline is at most read_at + marker_ms
+    record = IdempotencyRecord.objects.get(key=key)
+    assert record.owner_token == decision.lease.owner_token
+    assert marker_ms > 0
+    assert read_at + timedelta(milliseconds=marker_ms - 1) <= record.lease_expires_at
+
+
+def test_dead_request_blocks_only_until_its_lease_ends(redis, key, settings):
+    settings.IDEMPOTENCY = {**settings.IDEMPOTENCY, "LEASE_SECONDS": 1}
+    first = engine.claim(identity(key))  # the request "dies" here: never completed
+    assert isinstance(first, engine.Proceed)
+    assert isinstance(engine.claim(identity(key)), engine.Conflict)
+    deadline = time.monotonic() + 30
+    retry = engine.claim(identity(key))
+    while isinstance(retry, engine.Conflict) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        retry = engine.claim(identity(key))
+    assert isinstance(retry, engine.Proceed)
+    assert retry.lease.taken_over
+    run_to_completion(retry)
+    assert entry(redis, "tenant", key).startswith(b"C")
+
+
+# --- never another request's response -----------------------------------------------------------
+
+
+def test_replay_never_crosses_scopes(redis, key):
+    run_to_completion(engine.claim(identity(key, scope="tenant-a")), body=b"for a")
+    other = engine.claim(identity(key, scope="tenant-b"))
+    assert isinstance(other, engine.Proceed)
+    run_to_completion(other, body=b"for b")
+    replay_a = engine.claim(identity(key, scope="tenant-a"))
+    assert isinstance(replay_a, engine.Replay)
+    assert replay_a.response.body == b"for a"
+
+
+def test_scope_and_key_cannot_collide_in_the_redis_name():
+    assert fastpath.redis_key("a:b", "c") != fastpath.redis_key("a", "b:c")
+
+
+def test_other_fingerprint_is_refused_by_the_database_not_replayed(redis, client, key):
+    assert post(client, key, name="a").status_code == 201
+    other = post(client, key, name="b")
+    assert other.status_code == 422
+    assert other.json()["error"] == "payload_mismatch"
+
+
+def test_in_flight_with_other_fingerprint_asks_the_database(redis, key):
+    engine.claim(identity(key))
+    decision = engine.claim(identity(key, fingerprint="0" * 64))
+    assert isinstance(decision, engine.Mismatch)
+
+
+def test_missing_redis_entry_falls_back_to_the_database(
+    redis, client, key, django_assert_max_num_queries
+):
+    first = post(client, key)
+    redis.delete(fastpath.redis_key("anonymous", key))
+    with django_assert_max_num_queries(2):
+        second = post(client, key)
+    assert second["Idempotent-Replay"] == "true"
+    assert second.content == first.content
+    # The database answered, and its marker for the replay was dropped again.
+    assert entry(redis, "anonymous", key) is None
+
+
+def test_unreadable_entry_falls_back_to_the_database(redis, client, key):
+    first = post(client, key)
+    redis.set(fastpath.redis_key("anonymous", key), b"C{not json\nbody")
+    second = post(client, key)
+    assert second["Idempotent-Replay"] == "true"
+    assert second.content == first.content
+
+
+# --- releases -----------------------------------------------------------------------------------
+
+
+def test_failed_request_removes_its_marker_so_a_retry_runs_at_once(redis, client, key):
+    failed = post(client, key, name="a", status=500)
+    assert failed.status_code == 500
+    assert entry(redis, "anonymous", key) is None
+    retry = post(client, key, name="a")
+    assert retry.status_code == 201
+    assert Widget.objects.count() == 1  # the failed request's write rolled back
+
+
+def test_release_only_deletes_its_own_marker(redis, key):
+    first = engine.claim(identity(key))
+    assert isinstance(first, engine.Proceed)
+    fastpath.release(identity(key), uuid.uuid4())  # another owner's token: no effect
+    assert entry(redis, "tenant", key).startswith(b"P")
+    fastpath.release(identity(key), first.lease.owner_token)
+    assert entry(redis, "tenant", key) is None
+
+
+def test_refused_claim_drops_the_marker_it_set(redis, key):
+    # The database holds the key (claimed while the fast path was off), Redis knows nothing.
+    with fastpath_disabled():
+        assert isinstance(engine.claim(identity(key)), engine.Proceed)
+    assert isinstance(engine.claim(identity(key)), engine.Conflict)
+    assert entry(redis, "tenant", key) is None
+
+
+def test_admin_release_removes_the_stale_redis_copy(redis, client, key):
+    assert post(client, key, name="a").status_code == 201
+    assert entry(redis, "anonymous", key) is not None
+    # What the admin's release action does: delete the rows, then announce it.
+    IdempotencyRecord.objects.filter(scope="anonymous", key=key).delete()
+    signals.key_released.send(sender=IdempotencyRecord, scope="anonymous", key=key, reason="admin")
+    assert entry(redis, "anonymous", key) is None
+    again = post(client, key, name="a")
+    assert again.status_code == 201
+    assert again["Idempotent-Replay"] == "false"
+    assert Widget.objects.count() == 2
+
+
+def test_completion_is_not_copied_after_the_key_was_released_in_flight(redis, key):
+    decision = engine.claim(identity(key))
+    assert isinstance(decision, engine.Proceed)
+
+    def view() -> HttpResponse:
+        signals.key_released.send(sender=IdempotencyRecord, scope="tenant", key=key, reason="admin")
+        return HttpResponse(b"late", status=201)
+
+    engine.run(decision.lease, view)
+    assert entry(redis, "tenant", key) is None
+    replay = engine.claim(identity(key))
+    assert isinstance(replay, engine.Replay)  # from the database, which is the truth
+
+
+def test_rolled_back_completion_is_never_copied(redis, key):
+    decision = engine.claim(identity(key))
+    assert isinstance(decision, engine.Proceed)
+
+    def view() -> HttpResponse:
+        # Another request took the key over meanwhile: the completion must roll back.
+        IdempotencyRecord.objects.filter(key=key).update(owner_token=uuid.uuid4())
+        return HttpResponse(b"lost", status=201)
+
+    with pytest.raises(engine.LeaseLost):
+        engine.run(decision.lease, view)
+    value = entry(redis, "tenant", key)
+    assert value is None or value.startswith(b"P")
+
+
+# --- Redis failures -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fastpath_disabled() -> Iterator[None]:
+    from django.conf import settings
+    from django.test import override_settings
+
+    with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "CACHE_ALIAS": None}):
+        yield
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class PrivateRedis:
+    """A redis-server of our own, on a free port, that a test may stop and start."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no",
+            ],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("private redis-server did not start")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(30)
+            self.process = None
+
+
+@pytest.fixture
+def private_redis(settings: Any) -> Iterator[PrivateRedis]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = PrivateRedis()
+    server.start()
+    configure(settings, server.url)
+    yield server
+    server.stop()
+
+
+def test_redis_stopped_and_restarted_between_requests(
+    private_redis, client, failures, django_assert_num_queries
+):
+    first = post(client, "before")
+    assert first.status_code == 201
+    with django_assert_num_queries(0):
+        assert post(client, "before")["Idempotent-Replay"] == "true"
+
+    private_redis.stop()
+    replay = post(client, "before")
+    assert replay.status_code == 201
+    assert replay["Idempotent-Replay"] == "true"
+    assert replay.content == first.content
+    fresh = post(client, "during")
+    assert fresh.status_code == 201
+    assert post(client, "during")["Idempotent-Replay"] == "true"
+    assert {failure["operation"] for failure in failures} >= {"claim", "complete"}
+    assert all(isinstance(failure["error"], Exception) for failure in failures)
+
+    private_redis.start()
+    assert post(client, "after").status_code == 201
+    with django_assert_num_queries(0):
+        assert post(client, "after")["Idempotent-Replay"] == "true"
+    assert Widget.objects.count() == 3
+
+
+@pytest.mark.concurrency
+def test_redis_stopped_in_the_middle_of_a_concurrent_run(private_redis):
+    keys = [f"run-{uuid.uuid4()}" for _ in range(40)]
+    answered = threading.Semaphore(0)
+    statuses: list[tuple[str, int, str]] = []
+    lock = threading.Lock()
+
+    def worker(chunk: list[str]) -> None:
+        api = APIClient()
+        try:
+            for key in chunk:
+                for _ in range(2):  # the request and its retry
+                    response = post(api, key, name=key)
+                    with lock:
+                        statuses.append((key, response.status_code, response["Idempotent-Replay"]))
+                    answered.release()
+        finally:
+            close_old_connections()
+            connections.close_all()
+
+    threads = [threading.Thread(target=worker, args=(keys[i::4],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for _ in range(20):  # a quarter of the requests answered: pull Redis away
+        assert answered.acquire(timeout=60)
+    private_redis.stop()
+    for thread in threads:
+        thread.join(120)
+    assert len(statuses) == 2 * len(keys)
+    assert {status for _, status, _ in statuses} == {201}
+    for key in keys:
+        assert Widget.objects.filter(name=key).count() == 1
+        assert sorted(replay for k, _, replay in statuses if k == key) == ["false", "true"]
+
+
+def test_failed_forget_is_reported_loudly(private_redis, failures, key):
+    private_redis.stop()
+    signals.key_released.send(sender=IdempotencyRecord, scope="s", key=key, reason="admin")
+    assert [failure["operation"] for failure in failures] == ["forget"]
+
+
+@pytest.mark.concurrency
+def test_concurrent_duplicates_run_once_with_the_fast_path(redis, key):
+    barrier = threading.Barrier(6)
+    statuses: list[int] = []
+
+    def request() -> None:
+        try:
+            barrier.wait(30)
+            statuses.append(post(APIClient(), key, name="race").status_code)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=request) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(statuses) == 6
+    assert set(statuses) <= {201, 409}
+    assert Widget.objects.filter(name="race").count() == 1
+
+
+def test_fast_path_adds_no_database_statement_to_a_first_request(
+    redis, client, key, django_assert_num_queries
+):
+    from tests.test_round_trips import BEGIN_COMMIT, FIRST_CLAIM
+
+    with django_assert_num_queries(FIRST_CLAIM[connections["default"].vendor] + BEGIN_COMMIT + 2):
+        assert post(client, key).status_code == 201

@@ -1,0 +1,50 @@
+"""System checks for the Redis fast path settings (E040, E041, W040)."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+
+from django_idempotency import checks
+
+REDIS = {
+    "BACKEND": "django_redis.cache.RedisCache",
+    "LOCATION": "redis://127.0.0.1:6379/2",
+    "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.1, "SOCKET_TIMEOUT": 0.1},
+}
+
+
+def ids(settings, alias, caches):
+    settings.CACHES = caches
+    settings.IDEMPOTENCY = {"CACHE_ALIAS": alias}
+    return [message.id for message in checks.check_fast_path()]
+
+
+def test_no_alias_is_fine(settings):
+    assert ids(settings, None, {"default": REDIS}) == []
+
+
+def test_good_alias_is_fine(settings):
+    assert ids(settings, "fast", {"default": REDIS, "fast": REDIS}) == []
+
+
+@pytest.mark.parametrize("alias", ["missing", 3])
+def test_unknown_alias(settings, alias):
+    assert ids(settings, alias, {"default": REDIS}) == [checks.E040]
+
+
+def test_not_django_redis(settings):
+    locmem = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+    assert ids(settings, "default", {"default": locmem}) == [checks.E041]
+
+
+def test_no_socket_timeouts(settings):
+    untimed = {**REDIS, "OPTIONS": {}}
+    assert ids(settings, "default", {"default": untimed}) == [checks.W040]
+
+
+def test_checks_are_bound(settings):
+    settings.IDEMPOTENCY = {"CACHE_ALIAS": "missing"}
+    with pytest.raises(SystemCheckError, match="E040"):
+        call_command("check")

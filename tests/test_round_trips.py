@@ -1,0 +1,72 @@
+"""Statements per path, counted, so that an extra round trip fails the build.
+
+PostgreSQL: a first-time claim is one INSERT ... ON CONFLICT statement, a replay one statement.
+MariaDB and SQLite read first (SELECT) and insert only when the key is absent: on SQLite a
+duplicate must get its 409 from a read, never wait on the first request's write lock, and on
+MariaDB the read keeps a replay at one statement.
+Completion is always one UPDATE inside the business transaction.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.http import HttpResponse
+
+from django_idempotency import engine
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FIRST_CLAIM = {"postgresql": 1, "sqlite": 2, "mysql": 2}
+REPLAY = {"postgresql": 1, "sqlite": 1, "mysql": 1}
+# Django logs the business transaction's BEGIN and COMMIT too.
+BEGIN_COMMIT = 2
+
+
+def identity(key: str, fingerprint: str = "f" * 64) -> engine.Identity:
+    return engine.Identity(scope="s", key=key, fingerprint=fingerprint, method="POST", path="/x")
+
+
+def statements(captured) -> list[str]:
+    return [query["sql"] for query in captured.captured_queries]
+
+
+def test_first_claim(key, django_assert_num_queries):
+    with django_assert_num_queries(FIRST_CLAIM[connection.vendor]):
+        decision = engine.claim(identity(key))
+    assert isinstance(decision, engine.Proceed)
+
+
+def test_completion_is_one_update_in_the_business_transaction(key, django_assert_num_queries):
+    decision = engine.claim(identity(key))
+    assert isinstance(decision, engine.Proceed)
+    with django_assert_num_queries(BEGIN_COMMIT + 1) as captured:
+        engine.run(decision.lease, lambda: HttpResponse(b"ok", status=201))
+    assert statements(captured)[1].upper().startswith("UPDATE")
+
+
+def test_replay(key, django_assert_num_queries):
+    decision = engine.claim(identity(key))
+    engine.run(decision.lease, lambda: HttpResponse(b"ok", status=201))
+    with django_assert_num_queries(REPLAY[connection.vendor]):
+        replay = engine.claim(identity(key))
+    assert isinstance(replay, engine.Replay)
+
+
+def test_conflict_and_mismatch_are_one_read(key, django_assert_num_queries):
+    engine.claim(identity(key))
+    with django_assert_num_queries(REPLAY[connection.vendor]):
+        assert isinstance(engine.claim(identity(key)), engine.Conflict)
+    with django_assert_num_queries(REPLAY[connection.vendor]):
+        assert isinstance(engine.claim(identity(key, "0" * 64)), engine.Mismatch)
+
+
+def test_whole_request_through_the_mixin(client, key, django_assert_num_queries):
+    # claim + the view's own INSERT + completion, and nothing else.
+    vendor = connection.vendor
+    with django_assert_num_queries(FIRST_CLAIM[vendor] + BEGIN_COMMIT + 2):
+        first = client.post("/api/widget/", {"name": "n"}, format="json", HTTP_IDEMPOTENCY_KEY=key)
+    assert first.status_code == 201
+    with django_assert_num_queries(REPLAY[vendor]):
+        again = client.post("/api/widget/", {"name": "n"}, format="json", HTTP_IDEMPOTENCY_KEY=key)
+    assert again["Idempotent-Replay"] == "true"
