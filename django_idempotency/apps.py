@@ -1,3 +1,5 @@
+from importlib.util import find_spec
+
 from django.apps import AppConfig
 from django.utils.translation import gettext_lazy as _
 
@@ -9,3 +11,7 @@ class IdempotencyConfig(AppConfig):
 
     def ready(self) -> None:
         from django_idempotency import checks  # noqa: F401  (registers the system checks)
+
+        if find_spec("drf_spectacular") is not None:
+            # Registers the schema extension that documents idempotent endpoints.
+            from django_idempotency import openapi  # noqa: F401
