@@ -83,8 +83,8 @@ class Client:
             )
             response = connection.getresponse()
             raw = response.read()
-        except (http.client.RemoteDisconnected, ConnectionError):
-            return Answer(None)
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            return Answer(None)  # the server died while handling the request
         except OSError as exc:
             raise CommandError(
                 f"Cannot reach the demo at {self.parts.geturl()}: {exc}. Start it with `make demo`."
