@@ -61,8 +61,8 @@ demo: $(VENV)/.demo-installed
 tour: $(VENV)/.demo-installed
 	$(VENV)/bin/python manage.py idempotency_tour --url http://127.0.0.1:$(DEMO_PORT)
 
-## test: lint, types, migrations, and the suite on every backend and Django series
-test: lint typecheck migrations-check test-django52 test-django6
+## test: lint, types, migrations, docs, and the suite on every backend and Django series
+test: lint typecheck migrations-check docs test-django52 test-django6
 	$(VENV)/bin/coverage combine --quiet
 	$(VENV)/bin/coverage report --fail-under=$(COVERAGE_FLOOR)
 
@@ -76,6 +76,10 @@ typecheck: $(VENV)/.installed
 migrations-check: $(VENV)/.installed
 	DJANGO_SETTINGS_MODULE=tests.settings PYTHONPATH=. $(VENV)/bin/django-admin makemigrations --check --dry-run
 	DJANGO_SETTINGS_MODULE=tests.settings_autofield PYTHONPATH=. $(VENV)/bin/django-admin makemigrations django_idempotency --check --dry-run
+
+## docs: build the documentation into site/, every warning an error
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 test-django52: $(VENV)/.installed
 	rm -f .coverage .coverage.*
