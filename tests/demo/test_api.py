@@ -25,22 +25,13 @@ def pay(
     key: str | None,
     amount: str = "25.00",
     *,
-    source: str = "acc_3",
-    destination: str = "acc_4",
     headers: dict[str, str] | None = None,
     user: str | None = None,
     password: str = "",
 ) -> Answer:
-    all_headers = dict(headers or {})
-    if key is not None:
-        all_headers["Idempotency-Key"] = key
-    body = {
-        "amount": amount,
-        "currency": "USD",
-        "source_account": source,
-        "destination_account": destination,
-    }
-    return server.client(user, password).request("POST", "/api/v1/payments/", body, all_headers)
+    """A payment between acc_3 and acc_4, which the tour (acc_1 to acc_2) leaves alone."""
+    client = server.client(user, password)
+    return client.pay(key, amount, source="acc_3", destination="acc_4", headers=headers)
 
 
 def moved(before: dict[str, Decimal], after: dict[str, Decimal]) -> Decimal:

@@ -97,19 +97,28 @@ class Client:
             parsed = raw.decode(errors="replace")
         return Answer(response.status, {k.lower(): v for k, v in response.getheaders()}, parsed)
 
-    def pay(self, key: str | None, amount: str, fault: str | None = None) -> Answer:
-        headers = {}
+    def pay(
+        self,
+        key: str | None,
+        amount: str,
+        fault: str | None = None,
+        *,
+        source: str = SOURCE,
+        destination: str = DESTINATION,
+        headers: dict[str, str] | None = None,
+    ) -> Answer:
+        all_headers = dict(headers or {})
         if key is not None:
-            headers["Idempotency-Key"] = key
+            all_headers["Idempotency-Key"] = key
         if fault is not None:
-            headers["X-Demo-Fault"] = fault
+            all_headers["X-Demo-Fault"] = fault
         body = {
             "amount": amount,
             "currency": "USD",
-            "source_account": SOURCE,
-            "destination_account": DESTINATION,
+            "source_account": source,
+            "destination_account": destination,
         }
-        return self.request("POST", "/api/v1/payments/", body, headers)
+        return self.request("POST", "/api/v1/payments/", body, all_headers)
 
     def balances(self) -> dict[str, Decimal]:
         answer = self.request("GET", "/api/v1/accounts/")
