@@ -20,8 +20,12 @@ DJANGO52 := django>=5.2,<5.3
 DJANGO6 := django>=6.0,<7
 PYTEST := python -m pytest -p no:cacheprovider
 COVERAGE_FLOOR ?= 90
+# The demo: where it listens, and the short lease that lets the tour's crash recover quickly.
+DEMO_PORT ?= 8000
+DEMO_LEASE_SECONDS ?= 5
+DEMO_SERVE := $(VENV)/bin/python -m gunicorn --config python:demo_project.gunicorn_conf demo_project.wsgi
 
-.PHONY: demo test lint typecheck migrations-check test-django52 test-django6 docs clean
+.PHONY: demo tour test lint typecheck migrations-check test-django52 test-django6 docs clean
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,14 +40,34 @@ $(VENV_DJANGO6)/.installed: pyproject.toml requirements-dev.txt
 	$(VENV_DJANGO6)/bin/pip install $(PIP_FLAGS) -r requirements-dev.txt "$(DJANGO6)"
 	touch $@
 
-## demo: install, migrate, create the demo user and accounts, and serve on :8000
-demo: $(VENV)/.installed
-	$(VENV)/bin/python manage.py migrate --noinput
-	$(VENV)/bin/python manage.py demo_setup
-	$(VENV)/bin/python manage.py runserver 127.0.0.1:8000
+# The demo installs only what it needs (nothing that compiles), so a fresh clone with nothing
+# but Python runs it. `make test` later adds the development tools to the same environment.
+$(VENV)/.demo-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) --upgrade pip
+	$(VENV)/bin/pip install $(PIP_FLAGS) -e ".[demo]"
+	touch $@
 
-## test: lint, types, migrations, and the suite on every backend and Django series
-test: lint typecheck migrations-check test-django52 test-django6
+## demo: install, migrate, create the demo user and accounts, and serve on 127.0.0.1:$(DEMO_PORT)
+# SQLite, no Redis, no broker. Served by gunicorn so that a worker killed mid-payment (the
+# tour's crash, allowed by DEMO_FAULTS=1) is replaced while the service stays up.
+demo: $(VENV)/.demo-installed
+	$(VENV)/bin/python manage.py demo_setup
+	@echo
+	@echo "  API      http://127.0.0.1:$(DEMO_PORT)/api/v1/payments/"
+	@echo "  Swagger  http://127.0.0.1:$(DEMO_PORT)/api/docs/"
+	@echo "  Admin    http://127.0.0.1:$(DEMO_PORT)/admin/  (demo / demo-password)"
+	@echo "  Tour     make tour   (in another terminal)"
+	@echo
+	DEMO_FAULTS=1 IDEMPOTENCY_LEASE_SECONDS=$(DEMO_LEASE_SECONDS) \
+		GUNICORN_CMD_ARGS="--bind 127.0.0.1:$(DEMO_PORT)" $(DEMO_SERVE)
+
+## tour: play the idempotency story against the running demo
+tour: $(VENV)/.demo-installed
+	$(VENV)/bin/python manage.py idempotency_tour --url http://127.0.0.1:$(DEMO_PORT)
+
+## test: lint, types, migrations, docs, and the suite on every backend and Django series
+test: lint typecheck migrations-check docs test-django52 test-django6
 	$(VENV)/bin/coverage combine --quiet
 	$(VENV)/bin/coverage report --fail-under=$(COVERAGE_FLOOR)
 
@@ -57,6 +81,10 @@ typecheck: $(VENV)/.installed
 migrations-check: $(VENV)/.installed
 	DJANGO_SETTINGS_MODULE=tests.settings PYTHONPATH=. $(VENV)/bin/django-admin makemigrations --check --dry-run
 	DJANGO_SETTINGS_MODULE=tests.settings_autofield PYTHONPATH=. $(VENV)/bin/django-admin makemigrations django_idempotency --check --dry-run
+
+## docs: build the documentation into site/, every warning an error
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 test-django52: $(VENV)/.installed
 	rm -f .coverage .coverage.*

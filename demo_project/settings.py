@@ -1,12 +1,21 @@
 """Settings for the demo payments service. Every knob is an environment variable.
 
-``DATABASE_URL`` defaults to a SQLite file; ``REDIS_URL`` (optional) turns on the Redis fast
-path; ``CELERY_BROKER_URL`` (optional) sends tasks to a broker instead of running them in-process.
+With none set, the demo needs nothing but Python: SQLite, no Redis, no broker.
+
+``DATABASE_URL``       any database django-environ understands (default: ``demo.sqlite3``).
+``REDIS_URL``          optional: defines the ``idempotency`` django-redis cache and points the
+                       Redis fast path (``IDEMPOTENCY["CACHE_ALIAS"]``) at it.
+``CELERY_BROKER_URL``  optional: sends tasks to a broker; without it they run in-process.
+``DEMO_FAULTS``        off by default: lets a request ask for a slow or crashing payment with the
+                       ``X-Demo-Fault`` header (``make demo`` turns it on for the tour).
+``IDEMPOTENCY_LEASE_SECONDS`` / ``IDEMPOTENCY_TTL_SECONDS``  the lease and retention of keys.
 """
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 import environ
 
@@ -28,6 +37,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "timeout": 20,
         "init_command": "PRAGMA journal_mode=WAL;",
     }
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.mysql":
+    DATABASES["default"].setdefault("OPTIONS", {})["charset"] = "utf8mb4"
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -68,16 +79,60 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-REST_FRAMEWORK = {
+REST_FRAMEWORK: dict[str, Any] = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.BasicAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    # The quick start lets curl in without credentials; those requests share one scope.
+    # The quick start lets curl in without credentials: those requests share the one anonymous
+    # scope (IDEMPOTENCY["ANONYMOUS_SCOPE"]); the demo user's keys live in a scope of its own.
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
 }
 
-IDEMPOTENCY = {
+IDEMPOTENCY: dict[str, Any] = {
     "LEASE_SECONDS": env.float("IDEMPOTENCY_LEASE_SECONDS", default=30),
-    "TTL_SECONDS": env.int("IDEMPOTENCY_TTL_SECONDS", default=86400),
+    "TTL_SECONDS": env.float("IDEMPOTENCY_TTL_SECONDS", default=86400),
+    "ANONYMOUS_SCOPE": "anonymous",
+}
+
+CACHES: dict[str, Any] = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+}
+REDIS_URL = env("REDIS_URL", default="")
+if REDIS_URL:
+    CACHES["idempotency"] = {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": REDIS_URL,
+        "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+    }
+    IDEMPOTENCY["CACHE_ALIAS"] = "idempotency"
+
+# Celery reads every CELERY_* setting here (see demo_project/celery.py). Without a broker the
+# tasks run in-process, so the demo needs nothing else running.
+CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="")
+CELERY_TASK_ALWAYS_EAGER = not CELERY_BROKER_URL
+CELERY_TASK_EAGER_PROPAGATES = True
+CELERY_TASK_DEFAULT_QUEUE = env("CELERY_TASK_DEFAULT_QUEUE", default="demo")
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+#: Fault injection for the tour: never turn it on outside the demo.
+DEMO_FAULTS = env.bool("DEMO_FAULTS", default=False)
+
+if find_spec("drf_spectacular") is not None:
+    INSTALLED_APPS.append("drf_spectacular")
+    REST_FRAMEWORK["DEFAULT_SCHEMA_CLASS"] = "drf_spectacular.openapi.AutoSchema"
+    SPECTACULAR_SETTINGS = {
+        "TITLE": "django-idempotency demo payments API",
+        "DESCRIPTION": (
+            "Payments between seeded accounts. POST and PATCH take an Idempotency-Key header: "
+            "retry with the same key and you get the first answer back, never a second payment."
+        ),
+        "VERSION": "1.0.0",
+    }
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"django_idempotency": {"handlers": ["console"], "level": "INFO"}},
 }

@@ -1,3 +1,5 @@
+from importlib.util import find_spec
+
 from django.apps import AppConfig
 from django.utils.translation import gettext_lazy as _
 
@@ -12,3 +14,7 @@ class IdempotencyConfig(AppConfig):
             checks,  # noqa: F401  (registers the system checks)
             fastpath,  # noqa: F401  (listens to key_released)
         )
+
+        if find_spec("drf_spectacular") is not None:
+            # Registers the schema extension that documents idempotent endpoints.
+            from django_idempotency import openapi  # noqa: F401

@@ -3,9 +3,9 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import F
 from rest_framework import serializers
 
+from demo_project.payments import services
 from demo_project.payments.models import Account, Payment
 
 
@@ -21,6 +21,7 @@ class PaymentSerializer(serializers.ModelSerializer[Payment]):
         slug_field="name", queryset=Account.objects.all()
     )
     amount = serializers.DecimalField(max_digits=14, decimal_places=2, min_value=Decimal("0.01"))
+    currency = serializers.CharField(min_length=3, max_length=3)
 
     class Meta:
         model = Payment
@@ -36,23 +37,37 @@ class PaymentSerializer(serializers.ModelSerializer[Payment]):
         read_only_fields = ["transaction_id", "status", "processed_at"]
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        if attrs["source_account"] == attrs["destination_account"]:
+        source, destination = attrs["source_account"], attrs["destination_account"]
+        if source == destination:
             raise serializers.ValidationError("source and destination must differ")
+        for account in (source, destination):
+            if account.currency != attrs["currency"]:
+                raise serializers.ValidationError(
+                    {"currency": [f"{account.name} holds {account.currency}."]}
+                )
         return attrs
 
     def create(self, validated_data: dict[str, Any]) -> Payment:
-        amount = validated_data["amount"]
-        Account.objects.filter(pk=validated_data["source_account"].pk).update(
-            balance=F("balance") - amount
+        return services.create_payment(
+            amount=validated_data["amount"],
+            currency=validated_data["currency"],
+            source=validated_data["source_account"],
+            destination=validated_data["destination_account"],
+            fault=self.context.get("fault"),
         )
-        Account.objects.filter(pk=validated_data["destination_account"].pk).update(
-            balance=F("balance") + amount
-        )
-        return super().create(validated_data)
 
 
 class PaymentStatusSerializer(serializers.ModelSerializer[Payment]):
+    status = serializers.ChoiceField(
+        choices=[Payment.Status.REFUNDED.value, Payment.Status.DISPUTED.value]
+    )
+
     class Meta:
         model = Payment
         fields = ["transaction_id", "status", "processed_at"]
         read_only_fields = ["transaction_id", "processed_at"]
+
+    def update(self, instance: Payment, validated_data: dict[str, Any]) -> Payment:
+        return services.change_status(
+            instance, validated_data["status"], fault=self.context.get("fault")
+        )

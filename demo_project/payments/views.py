@@ -2,14 +2,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from rest_framework import mixins, viewsets
+from django.conf import settings
+from rest_framework import generics, mixins, serializers, viewsets
+from rest_framework.request import Request
+from rest_framework.response import Response
 
+from demo_project.payments import faults
 from demo_project.payments.models import Account, Payment
 from demo_project.payments.serializers import (
     AccountSerializer,
     PaymentSerializer,
     PaymentStatusSerializer,
 )
+from django_idempotency.conf import conf
 from django_idempotency.drf import IdempotencyMixin
 
 
@@ -21,19 +26,56 @@ class PaymentViewSet(
     mixins.ListModelMixin,
     viewsets.GenericViewSet[Payment],
 ):
-    """POST moves money; PATCH changes a payment's status. Both need an Idempotency-Key."""
+    """POST moves money; PATCH refunds or disputes a payment. Both need an Idempotency-Key."""
 
-    queryset = Payment.objects.select_related("source_account", "destination_account")
+    queryset = Payment.objects.select_related("source_account", "destination_account").order_by(
+        "-processed_at"
+    )
     lookup_field = "transaction_id"
     http_method_names = ["get", "post", "patch", "head", "options"]
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        # Read the fault before the key is claimed: a malformed header is then a plain 400 that
+        # leaves the key free, rather than a stored answer.
+        self.fault = faults.from_request(request)
+        super().initial(request, *args, **kwargs)
 
     def get_serializer_class(self) -> Any:
         if self.action == "partial_update":
             return PaymentStatusSerializer
         return PaymentSerializer
 
+    def get_serializer_context(self) -> dict[str, Any]:
+        return {**super().get_serializer_context(), "fault": getattr(self, "fault", None)}
+
 
 class AccountViewSet(viewsets.ReadOnlyModelViewSet[Account]):
     queryset = Account.objects.order_by("name")
     serializer_class = AccountSerializer
     lookup_field = "name"
+
+
+class DemoInfoSerializer(serializers.Serializer[dict[str, Any]]):
+    lease_seconds = serializers.FloatField(help_text="IDEMPOTENCY['LEASE_SECONDS']")
+    ttl_seconds = serializers.FloatField(help_text="IDEMPOTENCY['TTL_SECONDS']")
+    faults = serializers.BooleanField(help_text="Whether X-Demo-Fault is honoured (DEMO_FAULTS).")
+    fast_path = serializers.BooleanField(help_text="Whether the Redis fast path is configured.")
+    broker = serializers.BooleanField(help_text="Whether tasks go to a broker.")
+    database = serializers.CharField(help_text="The database backend in use.")
+
+
+class DemoInfoView(generics.GenericAPIView[Any]):
+    """What this demo server runs with, so the tour knows which steps it can show."""
+
+    serializer_class = DemoInfoSerializer
+
+    def get(self, request: Request) -> Response:
+        info = {
+            "lease_seconds": conf.LEASE_SECONDS,
+            "ttl_seconds": conf.TTL_SECONDS,
+            "faults": settings.DEMO_FAULTS,
+            "fast_path": conf.CACHE_ALIAS is not None,
+            "broker": bool(settings.CELERY_BROKER_URL),
+            "database": settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1],
+        }
+        return Response(self.get_serializer(info).data)

@@ -1,0 +1,353 @@
+"""Play the idempotency story against a running demo server and check every step.
+
+Talks to the server over HTTP only, like any client would: it needs no access to the database,
+so it works against ``make demo``, docker compose, or any other deployment of the demo.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+from urllib.parse import urlsplit
+
+from django.core.management.base import BaseCommand, CommandError
+
+SOURCE, DESTINATION = "acc_1", "acc_2"
+
+
+@dataclass
+class Answer:
+    """One HTTP exchange; ``status`` is None when the connection died before any answer."""
+
+    status: int | None
+    headers: dict[str, str] = field(default_factory=dict)
+    body: Any = None
+
+    @property
+    def error(self) -> str | None:
+        return self.body.get("error") if isinstance(self.body, dict) else None
+
+    @property
+    def replayed(self) -> bool:
+        return self.headers.get("idempotent-replay") == "true"
+
+    def describe(self) -> str:
+        if self.status is None:
+            return "no answer: the connection was dropped"
+        detail = self.error or ("replayed" if self.replayed else "")
+        retry_after = self.headers.get("retry-after")
+        if retry_after:
+            detail += f", Retry-After: {retry_after}"
+        return f"{self.status} {detail}".strip()
+
+
+class Client:
+    def __init__(self, base_url: str, credentials: tuple[str, str] | None, timeout: float) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CommandError(f"--url must be an http(s) URL, not {base_url!r}")
+        self.parts = parts
+        self.timeout = timeout
+        self.auth = None
+        if credentials:
+            token = base64.b64encode(":".join(credentials).encode()).decode()
+            self.auth = f"Basic {token}"
+
+    def request(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> Answer:
+        connection_class = (
+            http.client.HTTPSConnection
+            if self.parts.scheme == "https"
+            else http.client.HTTPConnection
+        )
+        connection = connection_class(self.parts.netloc, timeout=self.timeout)
+        all_headers = {"Accept": "application/json", **(headers or {})}
+        if self.auth:
+            all_headers["Authorization"] = self.auth
+        payload = None
+        if body is not None:
+            payload = json.dumps(body).encode()
+            all_headers["Content-Type"] = "application/json"
+        try:
+            connection.request(
+                method, self.parts.path.rstrip("/") + path, body=payload, headers=all_headers
+            )
+            response = connection.getresponse()
+            raw = response.read()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            return Answer(None)  # the server died while handling the request
+        except OSError as exc:
+            raise CommandError(
+                f"Cannot reach the demo at {self.parts.geturl()}: {exc}. Start it with `make demo`."
+            ) from exc
+        finally:
+            connection.close()
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = raw.decode(errors="replace")
+        return Answer(response.status, {k.lower(): v for k, v in response.getheaders()}, parsed)
+
+    def pay(
+        self,
+        key: str | None,
+        amount: str,
+        fault: str | None = None,
+        *,
+        source: str = SOURCE,
+        destination: str = DESTINATION,
+        headers: dict[str, str] | None = None,
+    ) -> Answer:
+        all_headers = dict(headers or {})
+        if key is not None:
+            all_headers["Idempotency-Key"] = key
+        if fault is not None:
+            all_headers["X-Demo-Fault"] = fault
+        body = {
+            "amount": amount,
+            "currency": "USD",
+            "source_account": source,
+            "destination_account": destination,
+        }
+        return self.request("POST", "/api/v1/payments/", body, all_headers)
+
+    def balances(self) -> dict[str, Decimal]:
+        answer = self.request("GET", "/api/v1/accounts/")
+        if answer.status != 200 or not isinstance(answer.body, list):
+            raise CommandError(f"GET /api/v1/accounts/ answered {answer.describe()}")
+        return {account["name"]: Decimal(account["balance"]) for account in answer.body}
+
+
+class Command(BaseCommand):
+    help = (
+        "Play retries, a double submit, a reused key and a crash against a running demo server, "
+        "and check that every payment moved money exactly once."
+    )
+    # Only HTTP: the server under tour may run with other settings than this process.
+    requires_system_checks: list[str] = []
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument(
+            "--url", default="http://127.0.0.1:8000", help="The demo server (default: %(default)s)."
+        )
+        parser.add_argument("--user", help="Authenticate as this user (default: anonymous).")
+        parser.add_argument("--password", help="The user's password.")
+        parser.add_argument(
+            "--timeout", type=float, default=60.0, help="Seconds to wait for any one answer."
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        credentials = None
+        if options["user"]:
+            credentials = (options["user"], options["password"] or "")
+        self.client = Client(options["url"], credentials, options["timeout"])
+        self.failures: list[str] = []
+        self.moved = Decimal("0.00")
+        self.run_id = uuid.uuid4().hex[:8]
+
+        info = self.client.request("GET", "/api/v1/demo/")
+        if info.status != 200 or not isinstance(info.body, dict):
+            raise CommandError(f"GET /api/v1/demo/ answered {info.describe()}; is this the demo?")
+        self.info = info.body
+        self.stdout.write(
+            f"Touring {options['url']} ({self.info['database']}, lease "
+            f"{self.info['lease_seconds']:g} s, faults {'on' if self.info['faults'] else 'off'})"
+        )
+        before = self.client.balances()
+        self.stdout.write(f"Balances before: {self._format(before)}\n")
+
+        steps: list[Callable[[], None]] = [
+            self.first_payment_and_retry,
+            self.double_submit,
+            self.payload_mismatch,
+            self.missing_and_invalid_key,
+            self.crash_mid_payment,
+            self.refund_and_retry,
+        ]
+        for number, step in enumerate(steps, start=1):
+            self.stdout.write(self.style.MIGRATE_HEADING(f"{number}. {step.__doc__}"))
+            step()
+
+        after = self.client.balances()
+        expected = {
+            SOURCE: before[SOURCE] - self.moved,
+            DESTINATION: before[DESTINATION] + self.moved,
+        }
+        self.stdout.write(f"\nBalances after:  {self._format(after)}")
+        self.expect(
+            all(after[name] == expected[name] for name in expected),
+            f"every duplicate left the balances alone: {SOURCE} and {DESTINATION} moved by "
+            f"{self.moved} exactly once",
+            f"expected {self._format(expected)}",
+        )
+        if self.failures:
+            raise CommandError(f"{len(self.failures)} check(s) failed: {'; '.join(self.failures)}")
+        self.stdout.write(self.style.SUCCESS("\nThe tour ran green."))
+
+    # --- steps -----------------------------------------------------------------------------
+
+    def first_payment_and_retry(self) -> None:
+        """A payment, then the client retries it (its response was lost)."""
+        key = self.key("pay")
+        first = self.client.pay(key, "25.00")
+        self.show("POST 25.00", first)
+        self.expect(first.status == 201 and not first.replayed, "the payment ran", "expected 201")
+        self.payment = first.body or {}
+        if first.status == 201:
+            self.moved += Decimal("25.00")
+        retry = self.client.pay(key, "25.00")
+        self.show("retry, same key", retry)
+        self.expect(
+            retry.status == 201 and retry.replayed and retry.body == first.body,
+            "the retry got the stored answer (same transaction_id), no second payment",
+            "expected 201 with Idempotent-Replay: true and the same body",
+        )
+
+    def double_submit(self) -> None:
+        """A double submit: two identical requests at once."""
+        if not self.info["faults"]:
+            self.skip("needs DEMO_FAULTS=1 to hold the first request open (make demo sets it)")
+            return
+        key = self.key("double")
+        slow = f"slow={min(3.0, self.info['lease_seconds'] / 2):g}"
+        answers: list[Answer] = []
+
+        def send() -> None:
+            answers.append(self.client.pay(key, "10.00", fault=slow))
+
+        first = threading.Thread(target=send)
+        first.start()
+        time.sleep(0.5)
+        second = self.client.pay(key, "10.00", fault=slow)
+        first.join()
+        answers.append(second)
+        for answer in answers:
+            self.show("POST 10.00", answer)
+        statuses = sorted(answer.status or 0 for answer in answers)
+        conflict = next((answer for answer in answers if answer.status == 409), None)
+        self.expect(
+            statuses == [201, 409]
+            and conflict is not None
+            and conflict.error == "transaction_in_progress"
+            and "retry-after" in conflict.headers,
+            "one ran, the other was told to retry later (409 transaction_in_progress)",
+            f"expected one 201 and one 409, got {statuses}",
+        )
+        if 201 in statuses:
+            self.moved += Decimal("10.00")
+        retry = self.client.pay(key, "10.00")
+        self.show("retry after both", retry)
+        self.expect(retry.status == 201 and retry.replayed, "the retry got the stored answer", "")
+
+    def payload_mismatch(self) -> None:
+        """The first key reused for a different amount."""
+        key = self.key("pay")
+        answer = self.client.pay(key, "99.00")
+        self.show("POST 99.00, first key", answer)
+        self.expect(
+            answer.status == 422 and answer.error == "payload_mismatch",
+            "refused: a key names one request (422 payload_mismatch)",
+            "expected 422",
+        )
+
+    def missing_and_invalid_key(self) -> None:
+        """No key, then a key that is not one."""
+        missing = self.client.pay(None, "1.00")
+        self.show("POST without a key", missing)
+        self.expect(
+            missing.status == 400 and missing.error == "idempotency_key_missing",
+            "refused before any work (400 idempotency_key_missing)",
+            "expected 400",
+        )
+        invalid = self.client.pay("x" * 300, "1.00")
+        self.show("POST with a 300-character key", invalid)
+        self.expect(
+            invalid.status == 400 and invalid.error == "idempotency_key_invalid",
+            "refused before any work (400 idempotency_key_invalid)",
+            "expected 400",
+        )
+
+    def crash_mid_payment(self) -> None:
+        """The server process dies in the middle of a payment."""
+        if not self.info["faults"]:
+            self.skip("needs DEMO_FAULTS=1 and a server that survives a dying worker (make demo)")
+            return
+        key = self.key("crash")
+        crashed = self.client.pay(key, "5.00", fault="crash")
+        self.show("POST 5.00, worker killed", crashed)
+        self.expect(crashed.status is None, "the client got no answer and must retry", "")
+        held = self.client.pay(key, "5.00")
+        self.show("retry at once", held)
+        self.expect(
+            held.status == 409 and held.error == "transaction_in_progress",
+            "the dead request still holds the key until its lease runs out",
+            "expected 409",
+        )
+        deadline = time.monotonic() + self.info["lease_seconds"] + 60
+        answer = held
+        while answer.status == 409 and time.monotonic() < deadline:
+            wait = int(answer.headers.get("retry-after", "1"))
+            self.stdout.write(f"     waiting {wait} s (Retry-After) ...")
+            time.sleep(wait)
+            answer = self.client.pay(key, "5.00")
+        self.show("retry after the lease", answer)
+        self.expect(
+            answer.status == 201 and not answer.replayed,
+            "taken over and run once: the dead attempt's writes had rolled back",
+            "expected 201",
+        )
+        if answer.status == 201:
+            self.moved += Decimal("5.00")
+
+    def refund_and_retry(self) -> None:
+        """A refund (PATCH), retried."""
+        transaction_id = self.payment.get("transaction_id")
+        if not transaction_id:
+            self.skip("the first payment did not succeed")
+            return
+        key = self.key("refund")
+        path = f"/api/v1/payments/{transaction_id}/"
+        answers = [
+            self.client.request("PATCH", path, {"status": "refunded"}, {"Idempotency-Key": key})
+            for _ in range(2)
+        ]
+        for answer in answers:
+            self.show("PATCH refunded", answer)
+        first, retry = answers
+        self.expect(
+            first.status == 200 and retry.status == 200 and retry.replayed,
+            "refunded once; the retry got the stored answer, not a second refund",
+            "expected 200 twice, the second replayed",
+        )
+        if first.status == 200:
+            self.moved -= Decimal("25.00")
+
+    # --- output ----------------------------------------------------------------------------
+
+    def key(self, name: str) -> str:
+        return f"tour-{self.run_id}-{name}"
+
+    def show(self, label: str, answer: Answer) -> None:
+        self.stdout.write(f"   {label:<32} -> {answer.describe()}")
+
+    def expect(self, ok: bool, success: str, failure: str) -> None:
+        if ok:
+            self.stdout.write(self.style.SUCCESS(f"   ok: {success}"))
+        else:
+            self.failures.append(f"{success} ({failure})" if failure else success)
+            self.stdout.write(self.style.ERROR(f"   FAILED: {success}. {failure}"))
+
+    def skip(self, reason: str) -> None:
+        self.stdout.write(self.style.WARNING(f"   skipped: {reason}"))
+
+    def _format(self, balances: dict[str, Decimal]) -> str:
+        return ", ".join(f"{name} {balances[name]}" for name in (SOURCE, DESTINATION))

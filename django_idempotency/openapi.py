@@ -1,0 +1,215 @@
+"""OpenAPI for idempotent endpoints, with drf-spectacular (the ``openapi`` extra).
+
+Every operation that :class:`~django_idempotency.drf.IdempotencyMixin` guards documents the
+``Idempotency-Key`` request header, the ``Idempotent-Replay`` header on its own responses, and the
+problem+json answers the state machine can give instead: 400, 409 (with ``Retry-After``), 422 and
+503. The app loads this module when drf-spectacular is installed; there is nothing to configure.
+
+A function view decorated with ``@idempotent`` is documented the same way when it names the
+schema explicitly, since a function carries no class to recognise::
+
+    @api_view(["POST"])
+    @schema(IdempotentAutoSchema())
+    @idempotent
+    def create_payment(request): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from drf_spectacular.drainage import get_view_method_names, isolate_view_method
+from drf_spectacular.extensions import OpenApiViewExtension
+from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.plumbing import ComponentRegistry, ResolvedComponent, get_class
+from rest_framework.views import APIView
+
+from django_idempotency.conf import conf
+from django_idempotency.responses import PROBLEM_CONTENT_TYPE
+
+__all__ = ["IdempotentAutoSchema", "IdempotentSchemaMixin", "document_operation"]
+
+PROBLEM_COMPONENT = "IdempotencyProblem"
+
+#: status -> (error codes the body may carry, description, whether Retry-After is sent)
+ERROR_RESPONSES: dict[int, tuple[tuple[str, ...], str, bool]] = {
+    400: (
+        ("idempotency_key_missing", "idempotency_key_invalid"),
+        "The idempotency key is missing or malformed. Nothing was done.",
+        False,
+    ),
+    409: (
+        ("transaction_in_progress", "idempotency_lease_lost"),
+        "A request with this key is still in progress. Nothing was done: retry with the same "
+        "key after Retry-After seconds.",
+        True,
+    ),
+    422: (
+        ("payload_mismatch",),
+        "The key was already used for a different request (method, path or body). Nothing was "
+        "done: use a new key for a new request.",
+        False,
+    ),
+    503: (
+        ("idempotency_store_unavailable",),
+        "The database that records keys is unavailable. Nothing was done: retry with the same "
+        "key after Retry-After seconds.",
+        True,
+    ),
+}
+
+
+def problem_schema() -> dict[str, Any]:
+    """RFC 9457 problem details plus the short ``error`` code and ``message``."""
+    codes = ", ".join(sorted(code for codes, _, _ in ERROR_RESPONSES.values() for code in codes))
+    return {
+        "type": "object",
+        "properties": {
+            "type": {"type": "string", "format": "uri-reference"},
+            "title": {"type": "string"},
+            "status": {"type": "integer"},
+            "detail": {"type": "string"},
+            # Not an enum: drf-spectacular would lift it into a component named after the
+            # property ("ErrorEnum"), which collides with the project's own "error" fields.
+            "error": {"type": "string", "description": f"One of: {codes}."},
+            "message": {"type": "string"},
+        },
+        "required": ["type", "title", "status", "detail", "error", "message"],
+    }
+
+
+def key_parameter() -> dict[str, Any]:
+    return {
+        "in": "header",
+        "name": conf.HEADER,
+        "required": conf.KEY_REQUIRED,
+        "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+        "description": (
+            "A unique key per operation (a UUID works well), 1 to 255 printable ASCII "
+            "characters. Retrying with the same key and the same request returns the first "
+            "response instead of doing the work again."
+        ),
+    }
+
+
+def _replay_header() -> dict[str, Any]:
+    return {
+        "schema": {"type": "string", "enum": ["true", "false"]},
+        "description": "true when this response is a stored one, replayed for a retry.",
+    }
+
+
+def _retry_after_header() -> dict[str, Any]:
+    return {
+        "schema": {"type": "integer", "minimum": 1},
+        "description": "Seconds to wait before retrying with the same key.",
+    }
+
+
+def document_operation(operation: dict[str, Any], registry: ComponentRegistry) -> None:
+    """Add the key header and the idempotency answers to one generated operation, in place.
+
+    What the view documents itself wins: an existing parameter or media type is left alone.
+    """
+    component = ResolvedComponent(  # type: ignore[no-untyped-call]
+        name=PROBLEM_COMPONENT,
+        type=ResolvedComponent.SCHEMA,
+        object=PROBLEM_COMPONENT,
+        schema=problem_schema(),
+    )
+    registry.register_on_missing(component)
+
+    parameters = operation.setdefault("parameters", [])
+    header = conf.HEADER.lower()
+    if not any(p.get("in") == "header" and p.get("name", "").lower() == header for p in parameters):
+        parameters.append(key_parameter())
+
+    responses = operation.setdefault("responses", {})
+    for status, response in responses.items():
+        if str(status).startswith("2"):
+            response.setdefault("headers", {}).setdefault(conf.REPLAY_HEADER, _replay_header())
+    for status, (_, description, retry_after) in ERROR_RESPONSES.items():
+        response = responses.setdefault(str(status), {"description": description})
+        response.setdefault("content", {}).setdefault(
+            PROBLEM_CONTENT_TYPE, {"schema": component.ref}
+        )
+        if retry_after:
+            response.setdefault("headers", {}).setdefault("Retry-After", _retry_after_header())
+
+
+class IdempotentSchemaMixin:
+    """Mixed in front of a view's own AutoSchema class; documents the guarded methods."""
+
+    #: Methods to document when the view does not say (function views): ``@idempotent``'s default.
+    idempotent_methods: Collection[str] = ("POST", "PATCH")
+
+    def __init__(self, *args: Any, methods: Collection[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if methods is not None:
+            self.idempotent_methods = tuple(method.upper() for method in methods)
+
+    def get_operation(
+        self,
+        path: str,
+        path_regex: str,
+        path_prefix: str,
+        method: str,
+        registry: ComponentRegistry,
+    ) -> dict[str, Any] | None:
+        operation: dict[str, Any] | None = super().get_operation(  # type: ignore[misc]
+            path, path_regex, path_prefix, method, registry
+        )
+        view = getattr(self, "view", None)
+        methods = getattr(view, "idempotent_methods", self.idempotent_methods)
+        if operation is not None and method.upper() in methods:
+            document_operation(operation, registry)
+        return operation
+
+
+class IdempotentAutoSchema(IdempotentSchemaMixin, AutoSchema):
+    """drf-spectacular's AutoSchema for a function view guarded by ``@idempotent``.
+
+    Pass ``methods=`` when the decorator was given other methods than POST and PATCH.
+    """
+
+
+#: One extended class per base schema class, so repeated schema generation creates no new ones.
+_schema_classes: dict[type[Any], type[Any]] = {}
+
+
+def _idempotent_schema_class(schema_class: type[Any]) -> type[Any]:
+    if issubclass(schema_class, IdempotentSchemaMixin):
+        return schema_class
+    if schema_class not in _schema_classes:
+        _schema_classes[schema_class] = type(
+            f"Idempotent{schema_class.__name__}", (IdempotentSchemaMixin, schema_class), {}
+        )
+    return _schema_classes[schema_class]
+
+
+class IdempotencyMixinExtension(OpenApiViewExtension):  # type: ignore[no-untyped-call]
+    """Gives every view using IdempotencyMixin its own schema class, extended as above."""
+
+    target_class = "django_idempotency.drf.IdempotencyMixin"
+    match_subclasses = True
+
+    def view_replacement(self) -> type[APIView]:
+        view_class: type[APIView] = self.target
+        schema = view_class.schema  # the view's inspector, or None when excluded from the schema
+        if schema is None:
+            return view_class
+        schema_class = _idempotent_schema_class(type(schema))
+        replacement: type[APIView] = type(
+            view_class.__name__,
+            (view_class,),
+            {"schema": schema_class(), "__module__": view_class.__module__},
+        )
+        # An action decorated with extend_schema brings its own schema class, which replaces the
+        # view's: extend that one too, on a copy of the action so the original view is untouched.
+        for name in get_view_method_names(replacement, schema=replacement.schema):
+            action_schema = getattr(getattr(replacement, name), "kwargs", {}).get("schema")
+            if action_schema is not None:
+                action = isolate_view_method(replacement, name)  # type: ignore[no-untyped-call]
+                action.kwargs["schema"] = _idempotent_schema_class(get_class(action_schema))
+        return replacement
