@@ -45,8 +45,9 @@ class RowCount:
         return number
 
 
-def count_rows(queryset: models.QuerySet[Any], limit: int = COUNT_LIMIT) -> RowCount:
-    """Count up to ``limit`` rows exactly; above it, estimate where the database can."""
+def count_rows(queryset: models.QuerySet[Any], limit: int | None = None) -> RowCount:
+    """Count up to ``limit`` (default ``COUNT_LIMIT``) rows exactly; above it, estimate."""
+    limit = COUNT_LIMIT if limit is None else limit
     # COUNT(*) over a LIMITed subquery: the database stops reading after limit + 1 rows.
     counted = queryset.order_by()[: limit + 1].count()
     if counted <= limit:
