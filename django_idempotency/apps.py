@@ -9,3 +9,10 @@ class IdempotencyConfig(AppConfig):
 
     def ready(self) -> None:
         from django_idempotency import checks  # noqa: F401  (registers the system checks)
+
+        # Metrics are optional (the "metrics" extra): count only where prometheus_client exists.
+        # The receivers read IDEMPOTENCY["METRICS"] on every call, so the setting stays live.
+        if checks.importable("prometheus_client"):
+            from django_idempotency import metrics
+
+            metrics.connect()
