@@ -24,7 +24,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
-from django.utils.text import Truncator
+from django.utils.text import Truncator, capfirst
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
@@ -121,7 +121,11 @@ class OperationsAdmin(ModelAdmin):
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        context = {"idempotency_health": HealthPanel(self.admin_site), **(extra_context or {})}
+        context = {
+            "title": capfirst(self.opts.verbose_name_plural),
+            "idempotency_health": HealthPanel(self.admin_site),
+            **(extra_context or {}),
+        }
         return super().changelist_view(request, context)
 
     def confirm_action(
@@ -310,7 +314,9 @@ class IdempotencyRecordAdmin(OperationsAdmin):
 
     @admin.display(description=_("response headers"))
     def headers_display(self, record: IdempotencyRecord) -> SafeString:
-        return pretty_json(record.response_headers)
+        return preformatted(
+            "\n".join(f"{name}: {value}" for name, value in record.response_headers)
+        )
 
     @admin.display(description=_("response body"))
     def body_display(self, record: IdempotencyRecord) -> SafeString:

@@ -167,6 +167,7 @@ def test_detail_page_is_read_only_and_pretty_prints_json(superuser):
     assert response.status_code == 200
     assert "{\n  &quot;amount&quot;: &quot;10.00&quot;,\n  &quot;id&quot;: 7\n}" in html
     assert record.fingerprint in html
+    assert "Content-Type: application/json" in html  # stored headers, one per line
     assert str(record.owner_token) in html
     assert 'name="_save"' not in html
     assert "<textarea" not in html and 'name="key"' not in html  # no editable field
