@@ -13,7 +13,6 @@ from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone
 
-from django_idempotency import signals
 from django_idempotency.models import IdempotencyRecord
 from tests.factories import IdempotencyRecordFactory
 
@@ -47,19 +46,6 @@ def login(*codenames: str, superuser: bool = False) -> Client:
 @pytest.fixture
 def superuser() -> Client:
     return login(superuser=True)
-
-
-@pytest.fixture
-def released():
-    """The ``key_released`` signals sent while the test runs: (scope, key, reason)."""
-    seen: list[tuple[str, str, str]] = []
-
-    def receiver(sender, *, scope, key, reason, **kwargs):
-        seen.append((scope, key, reason))
-
-    signals.key_released.connect(receiver)
-    yield seen
-    signals.key_released.disconnect(receiver)
 
 
 def shown_keys(response) -> set[str]:
@@ -181,6 +167,7 @@ def test_detail_page_is_read_only_and_pretty_prints_json(superuser):
         (b"\xff\xfe\x00binary", [["Content-Type", "image/png"]], "9 bytes of binary data"),
         (b"not json {", [["Content-Type", "application/json"]], "not json {"),
         (b"", [], "(empty)"),
+        (b"x" * (64 * 1024 + 10), [["Content-Type", "text/plain"]], "(65546 characters in all)"),
     ],
 )
 def test_detail_page_shows_other_bodies_safely(superuser, body, headers, shown):

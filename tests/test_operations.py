@@ -12,24 +12,12 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from django_idempotency import engine, signals
+from django_idempotency import engine
 from django_idempotency.exceptions import LeaseLost
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import ReleaseResult, release_records
 from django_idempotency.responses import StoredResponse
 from tests.factories import IdempotencyRecordFactory
-
-
-@pytest.fixture
-def released():
-    seen: list[tuple[str, str, str]] = []
-
-    def receiver(sender, *, scope, key, reason, **kwargs):
-        seen.append((scope, key, reason))
-
-    signals.key_released.connect(receiver)
-    yield seen
-    signals.key_released.disconnect(receiver)
 
 
 def identity_of(record: IdempotencyRecord) -> engine.Identity:
