@@ -158,16 +158,13 @@ class OperationsAdmin(ModelAdmin):
             request, "admin/django_idempotency/action_confirmation.html", context
         )
 
-    def report(self, request: HttpRequest, message: str, level: int = messages.SUCCESS) -> None:
-        self.message_user(request, message, level)
-
 
 def preformatted(text: str) -> SafeString:
     return format_html('<pre class="idempotency-pre">{}</pre>', text)
 
 
 def pretty_json(value: Any) -> SafeString:
-    """JSON indented for reading; the template escapes it, so nothing in it becomes markup."""
+    """JSON indented for reading, escaped so nothing in it becomes markup."""
     return preformatted(json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True))
 
 
@@ -388,7 +385,7 @@ class IdempotencyRecordAdmin(OperationsAdmin):
         )
 
     def report_release(self, request: HttpRequest, result: ReleaseResult) -> None:
-        self.report(
+        self.message_user(
             request,
             ngettext(
                 "Released %(count)d idempotency key.",
@@ -398,7 +395,7 @@ class IdempotencyRecordAdmin(OperationsAdmin):
             % {"count": result.released},
         )
         if result.refused:
-            self.report(
+            self.message_user(
                 request,
                 ngettext(
                     "Refused %(count)d key whose lease is still running: a request may be "
