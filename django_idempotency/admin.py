@@ -113,8 +113,10 @@ class OperationsAdmin(ModelAdmin):
         # Deleting goes through actions that also clean up after the row (signals, Redis).
         return obj is None and super().has_delete_permission(request)
 
-    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
-        actions = super().get_actions(request)
+    def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
+        # Django 6.1 passes where the actions are shown (list or form); older versions do not.
+        where = {} if action_location is None else {"action_location": action_location}
+        actions = super().get_actions(request, **where)
         actions.pop("delete_selected", None)
         return actions
 
@@ -393,6 +395,7 @@ class IdempotencyRecordAdmin(OperationsAdmin):
                 result.released,
             )
             % {"count": result.released},
+            messages.SUCCESS,
         )
         if result.refused:
             self.message_user(

@@ -61,7 +61,7 @@ def action(client: Client, name: str, records, query: str = "", **extra: str):
 
 
 def messages_of(response) -> list[str]:
-    return [str(message) for message in response.context["messages"]]
+    return [f"{m.level_tag}: {m}" for m in response.context["messages"]]
 
 
 @pytest.fixture
@@ -203,8 +203,8 @@ def test_release_frees_stuck_and_completed_keys_and_refuses_a_running_lease(
     chosen = [records["stuck"], records["completed"], records["running"]]
     response = action(superuser, "release_keys", chosen)
     assert messages_of(response) == [
-        "Released 2 idempotency keys.",
-        "Refused 1 key whose lease is still running: a request may be working on it. "
+        "success: Released 2 idempotency keys.",
+        "warning: Refused 1 key whose lease is still running: a request may be working on it. "
         "Use “Force release” to release it anyway.",
     ]
     remaining = set(IdempotencyRecord.objects.values_list("key", flat=True))
@@ -214,7 +214,7 @@ def test_release_frees_stuck_and_completed_keys_and_refuses_a_running_lease(
 
 def test_release_reports_a_single_key_in_the_singular(superuser, records, released):
     response = action(superuser, "release_keys", [records["stuck"]])
-    assert messages_of(response) == ["Released 1 idempotency key."]
+    assert messages_of(response) == ["success: Released 1 idempotency key."]
     assert released == [("user:1", "stuck", "admin")]
 
 
@@ -230,7 +230,7 @@ def test_force_release_asks_for_confirmation_first(superuser, records, released)
     assert released == []
 
     confirmed = action(superuser, "force_release_keys", chosen, post="yes")
-    assert messages_of(confirmed) == ["Released 2 idempotency keys."]
+    assert messages_of(confirmed) == ["success: Released 2 idempotency keys."]
     assert not IdempotencyRecord.objects.filter(key__in=["running", "stuck"]).exists()
     assert sorted(released) == [("user:1", "running", "admin"), ("user:1", "stuck", "admin")]
 
@@ -239,7 +239,7 @@ def test_release_all_matching_a_filter(superuser, released):
     stuck = IdempotencyRecordFactory.create_batch(3, stuck=True)
     IdempotencyRecordFactory.create_batch(2)
     response = action(superuser, "release_keys", stuck[:1], query="stuck=yes", select_across="1")
-    assert messages_of(response) == ["Released 3 idempotency keys."]
+    assert messages_of(response) == ["success: Released 3 idempotency keys."]
     assert IdempotencyRecord.objects.count() == 2
     assert len(released) == 3
 
@@ -268,7 +268,7 @@ def test_change_permission_alone_cannot_release(records):
 def test_delete_permission_releases(records, released):
     client = login("view_idempotencyrecord", "delete_idempotencyrecord")
     response = action(client, "release_keys", [records["stuck"]])
-    assert messages_of(response) == ["Released 1 idempotency key."]
+    assert messages_of(response) == ["success: Released 1 idempotency key."]
     assert released == [("user:1", "stuck", "admin")]
 
 
