@@ -18,3 +18,10 @@ class IdempotencyConfig(AppConfig):
         if find_spec("drf_spectacular") is not None:
             # Registers the schema extension that documents idempotent endpoints.
             from django_idempotency import openapi  # noqa: F401
+
+        # Metrics are optional (the "metrics" extra): count only where prometheus_client exists.
+        # The receivers read IDEMPOTENCY["METRICS"] on every call, so the setting stays live.
+        if checks.importable("prometheus_client"):
+            from django_idempotency import metrics
+
+            metrics.connect()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -31,6 +32,9 @@ W004 = "django_idempotency.W004"  # middleware placed before AuthenticationMiddl
 E040 = "django_idempotency.E040"  # CACHE_ALIAS is not None or a configured cache alias
 E041 = "django_idempotency.E041"  # CACHE_ALIAS names a cache that is not django-redis
 W040 = "django_idempotency.W040"  # the CACHE_ALIAS cache has no socket timeouts
+E060 = "django_idempotency.E060"  # REGISTER_ADMIN, METRICS or TRACING is not a bool
+W060 = "django_idempotency.W060"  # METRICS set to True but prometheus_client is not installed
+W061 = "django_idempotency.W061"  # TRACING set to True but opentelemetry-api is not installed
 
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _BOOLEANS = ("KEY_REQUIRED", "LEASE_HEARTBEAT", "LOG_KEYS")
@@ -314,3 +318,42 @@ def check_fast_path(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> 
             )
         ]
     return []
+
+
+#: Operations settings: (name, module it needs or None, warning id, extra that installs it).
+_OPERATIONS_SETTINGS = (
+    ("REGISTER_ADMIN", None, None, None),
+    ("METRICS", "prometheus_client", W060, "metrics"),
+    ("TRACING", "opentelemetry.trace", W061, "otel"),
+)
+
+
+def importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
+@register(Tags.compatibility)
+def check_operations(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    user = getattr(settings, "IDEMPOTENCY", {})
+    if not isinstance(user, dict):
+        return []  # E001 already says so
+    messages: list[CheckMessage] = []
+    for name, module, warning_id, extra in _OPERATIONS_SETTINGS:
+        value = user.get(name, DEFAULTS[name])
+        if not isinstance(value, bool):
+            messages.append(
+                Error(f"IDEMPOTENCY[{name!r}] must be True or False, not {value!r}.", id=E060)
+            )
+        elif module and warning_id and user.get(name) is True and not importable(module):
+            messages.append(
+                Warning(
+                    f"IDEMPOTENCY[{name!r}] is True but {module.split('.')[0]} is not installed, "
+                    "so it has no effect.",
+                    hint=f"pip install 'django-idempotency[{extra}]', or remove the setting.",
+                    id=warning_id,
+                )
+            )
+    return messages

@@ -33,6 +33,10 @@ DEFAULTS: dict[str, Any] = {
     "LOG_KEYS": False,
     # Redis fast path: the django-redis cache alias to use, or None for the database only.
     "CACHE_ALIAS": None,
+    # Operations: admin registration, Prometheus metrics, OpenTelemetry spans.
+    "REGISTER_ADMIN": True,
+    "METRICS": True,
+    "TRACING": True,
 }
 
 #: Response headers never stored, whatever ``STORED_RESPONSE_HEADERS`` says: replaying them
@@ -143,6 +147,18 @@ class IdempotencySettings:
     def CACHE_ALIAS(self) -> str | None:
         alias = self.get("CACHE_ALIAS")
         return None if alias is None else str(alias)
+
+    @property
+    def REGISTER_ADMIN(self) -> bool:
+        return bool(self.get("REGISTER_ADMIN"))
+
+    @property
+    def METRICS(self) -> bool:
+        return bool(self.get("METRICS"))
+
+    @property
+    def TRACING(self) -> bool:
+        return bool(self.get("TRACING"))
 
 
 conf = IdempotencySettings()

@@ -51,6 +51,7 @@ from django_idempotency.fingerprint import (
     hand_over_cleanup,
     request_fingerprint,
 )
+from django_idempotency.instrumentation import instrumented
 from django_idempotency.keys import parse_key, redact
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.querysets import COMPLETED, PROCESSING, expired_q, lease_expired_q
@@ -187,6 +188,7 @@ def atomic_requests() -> ExitStack:
 # --- claim -------------------------------------------------------------------------------------
 
 
+@instrumented("claim")  # operations: span + claim_finished signal (claim latency metric)
 def claim(identity: Identity) -> Decision:
     """Decide what this request may do with its key (see DESIGN.md's state machine).
 
@@ -466,6 +468,7 @@ def _statement_savepoint(using: str) -> Iterator[None]:
 # --- complete, release, extend ---------------------------------------------------------------
 
 
+@instrumented("complete")  # operations: span
 def complete(lease: Lease, stored: StoredResponse) -> None:
     """Store the response, inside the business transaction, if this request still owns the key.
 
@@ -637,6 +640,7 @@ def run(
     return response
 
 
+@instrumented("replay")  # operations: span
 def replay(decision: Replay) -> HttpResponseBase:
     return replay_response(decision.response)
 

@@ -28,11 +28,16 @@ lease_lost = Signal()
 #: A response was stored. kwargs: ``scope``, ``key``, ``status``, ``retained``.
 request_completed = Signal()
 
-#: A key was released after a failure (exception or unstored response) so it can be retried.
-#: kwargs: ``scope``, ``key``, ``reason``.
+#: A key was released so it can be used again: after a failure (``reason`` ``"exception"`` or
+#: ``"not_stored"``) or by an operator in the admin (``"admin"``). kwargs: ``scope``, ``key``,
+#: ``reason``.
 key_released = Signal()
 
 #: The Redis fast path failed and the request used the database instead (never a duplicate).
 #: kwargs: ``scope``, ``key``, ``operation`` (``claim``, ``complete``, ``release`` or ``forget``),
 #: ``error`` (the exception). A failed ``forget`` means a stale copy may live until its expiry.
 fast_path_failed = Signal()
+#: A claim was decided (or failed). kwargs: ``scope``, ``key``, ``outcome`` (``"claimed"``,
+#: ``"replayed"``, ``"conflicted"``, ``"mismatched"``, ``"unavailable"`` or ``"error"``),
+#: ``duration`` (seconds, float).
+claim_finished = Signal()

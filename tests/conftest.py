@@ -8,6 +8,7 @@ import pytest
 from django.conf import settings
 from rest_framework.test import APIClient
 
+from django_idempotency import signals
 from tests.backends import service_url
 from tests.testapp import views
 
@@ -72,3 +73,16 @@ def idempotency_settings(settings: Any) -> Any:
         settings.IDEMPOTENCY = {**settings.IDEMPOTENCY, **values}
 
     return update
+
+
+@pytest.fixture
+def released():
+    """The ``key_released`` signals sent while the test runs: (scope, key, reason)."""
+    seen: list[tuple[str, str, str]] = []
+
+    def receiver(sender, *, scope, key, reason, **kwargs):
+        seen.append((scope, key, reason))
+
+    signals.key_released.connect(receiver)
+    yield seen
+    signals.key_released.disconnect(receiver)

@@ -1,3 +1,5 @@
+"""factory-boy factories for the app's models."""
+
 from __future__ import annotations
 
 import uuid
@@ -7,12 +9,59 @@ from typing import Any
 import factory
 from django.contrib.auth import get_user_model
 from django.utils import timezone
+from factory.django import DjangoModelFactory
 
 from django_idempotency.engine import Identity
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.querysets import COMPLETED, PROCESSING
 
 
-class UserFactory(factory.django.DjangoModelFactory):  # type: ignore[misc]
+def _ago(seconds: float):
+    return factory.LazyFunction(lambda: timezone.now() - timedelta(seconds=seconds))
+
+
+class IdempotencyRecordFactory(DjangoModelFactory):
+    """A COMPLETED record by default; traits ``stuck``, ``running`` and ``expired``."""
+
+    class Meta:
+        model = IdempotencyRecord
+
+    class Params:
+        stuck = factory.Trait(
+            status=PROCESSING,
+            lease_expires_at=_ago(60),
+            response_status=None,
+            response_headers=[],
+            response_body=None,
+            completed_at=None,
+        )
+        running = factory.Trait(
+            status=PROCESSING,
+            lease_expires_at=_ago(-300),
+            response_status=None,
+            response_headers=[],
+            response_body=None,
+            completed_at=None,
+        )
+        expired = factory.Trait(created_at=_ago(3 * 86400), expires_at=_ago(3600))
+
+    scope = "user:1"
+    key = factory.Sequence(lambda n: f"key-{n:05d}")
+    fingerprint = factory.LazyFunction(lambda: uuid.uuid4().hex * 2)
+    status = COMPLETED
+    owner_token = factory.LazyFunction(uuid.uuid4)
+    lease_expires_at = None
+    method = "POST"
+    path = "/api/payments/"
+    response_status = 201
+    response_headers = factory.LazyFunction(lambda: [["Content-Type", "application/json"]])
+    response_body = b'{"id": 1, "amount": "10.00"}'
+    created_at = _ago(120)
+    completed_at = factory.SelfAttribute("created_at")
+    expires_at = _ago(-86400)
+
+
+class UserFactory(DjangoModelFactory):
     class Meta:
         model = get_user_model()
 
@@ -20,28 +69,8 @@ class UserFactory(factory.django.DjangoModelFactory):  # type: ignore[misc]
     password = factory.django.Password("pw")
 
 
-class IdempotencyRecordFactory(factory.django.DjangoModelFactory):  # type: ignore[misc]
-    """A record in any state: PROCESSING with a running lease by default."""
-
-    class Meta:
-        model = IdempotencyRecord
-
-    class Params:
-        now = factory.LazyFunction(timezone.now)
-
-    scope = "anonymous"
-    key = factory.Sequence(lambda n: f"key-{n}")
-    fingerprint = "0" * 64
-    status = IdempotencyRecord.Status.PROCESSING
-    owner_token = factory.LazyFunction(uuid.uuid4)
-    lease_expires_at = factory.LazyAttribute(lambda o: o.now + timedelta(seconds=30))
-    method = "POST"
-    path = "/api/widget/"
-    created_at = factory.LazyAttribute(lambda o: o.now)
-    expires_at = factory.LazyAttribute(lambda o: o.now + timedelta(days=1))
-
-
 def identity(**overrides: Any) -> Identity:
+    """An engine-level request identity with a fresh key unless one is given."""
     values: dict[str, Any] = {
         "scope": "anonymous",
         "key": f"key-{uuid.uuid4()}",

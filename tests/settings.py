@@ -64,6 +64,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django.contrib.staticfiles",
     "rest_framework",
     "rest_framework.authtoken",
     "django_idempotency",
@@ -77,6 +78,7 @@ MIDDLEWARE = [
     "django_idempotency.middleware.IdempotencyMiddleware",
 ]
 ROOT_URLCONF = "tests.testapp.urls"
+STATIC_URL = "static/"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",

@@ -1,0 +1,421 @@
+"""Django admin for the people on call: find stuck keys in seconds and free them safely.
+
+Rows are read-only: nothing a form could edit would leave the state machine consistent. State
+changes go through actions that call :mod:`django_idempotency.operations` and report counts.
+``IDEMPOTENCY["REGISTER_ADMIN"] = False`` skips the registration on ``admin.site`` (read once,
+when the admin autodiscovers this module); call :func:`register` for a site of your own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.utils import quote
+from django.core.paginator import Paginator
+from django.db.models import Q, QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import NoReverseMatch, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.text import Truncator, capfirst
+from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext_lazy as _
+
+from django_idempotency import health
+from django_idempotency.conf import conf
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.operations import ReleaseResult, release_records
+from django_idempotency.querysets import PROCESSING, lease_expired_q
+
+if TYPE_CHECKING:
+    ModelAdmin = admin.ModelAdmin[Any]
+    QuerySetPaginator = Paginator[Any]
+else:  # generic only in the type stubs
+    ModelAdmin = admin.ModelAdmin
+    QuerySetPaginator = Paginator
+
+#: Bodies longer than this are cut in the detail page (the full body stays in the database).
+DISPLAY_BODY_CHARS = 64 * 1024
+
+# --- shared by every admin of this app -----------------------------------------------------------
+
+
+class EstimatingPaginator(QuerySetPaginator):
+    """Exact counts below ``health.COUNT_LIMIT``; above it the PostgreSQL planner's estimate.
+
+    The admin's default paginator runs ``COUNT(*)`` on every page load, which reads millions of
+    rows on PostgreSQL. Where no estimate exists (other databases), it counts exactly.
+    """
+
+    @cached_property
+    def count(self) -> int:
+        object_list = self.object_list
+        if not isinstance(object_list, QuerySet):
+            return len(object_list)
+        rows = health.count_rows(object_list)
+        return object_list.count() if rows.kind == "at_least" else rows.value
+
+
+class HealthPanel:
+    """The health sections for the top of a changelist, computed only when rendered."""
+
+    def __init__(self, site: admin.AdminSite) -> None:
+        self.site = site
+
+    @cached_property
+    def sections(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "title": section.title,
+                "figures": [
+                    {"figure": figure, "url": self._url(section.model, figure.query)}
+                    for figure in section.figures
+                ],
+            }
+            for section in health.snapshot()
+        ]
+
+    def _url(self, model: type[Any], query: str) -> str | None:
+        if not query or not self.site.is_registered(model):
+            return None
+        opts = model._meta
+        try:
+            changelist = reverse(f"{self.site.name}:{opts.app_label}_{opts.model_name}_changelist")
+        except NoReverseMatch:  # pragma: no cover - a site without URLs
+            return None
+        return f"{changelist}?{query}"
+
+
+class OperationsAdmin(ModelAdmin):
+    """Read-only rows, actions through ``operations.py``, a health panel, no full COUNT."""
+
+    change_list_template = "admin/django_idempotency/change_list.html"
+    paginator = EstimatingPaginator
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER  # facets COUNT every filter choice on each page load
+    list_per_page = 50
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Without an object this guards the actions; with one, the edit form, which never shows.
+        return obj is None and super().has_change_permission(request)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Deleting goes through actions that also clean up after the row (signals, Redis).
+        return obj is None and super().has_delete_permission(request)
+
+    def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
+        # Django 6.1 passes where the actions are shown (list or form); older versions do not.
+        where = {} if action_location is None else {"action_location": action_location}
+        actions = super().get_actions(request, **where)
+        actions.pop("delete_selected", None)
+        return actions
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        context = {
+            "title": capfirst(self.opts.verbose_name_plural),
+            "idempotency_health": HealthPanel(self.admin_site),
+            **(extra_context or {}),
+        }
+        return super().changelist_view(request, context)
+
+    def confirm_action(
+        self,
+        request: HttpRequest,
+        *,
+        action: str,
+        title: str,
+        question: str,
+        objects: Sequence[Any],
+        summary: str,
+        confirm_label: str,
+    ) -> TemplateResponse:
+        """An intermediate page that posts the same selection back with ``post=yes``."""
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": title,
+            "question": question,
+            "objects": objects,
+            "summary": summary,
+            "action": action,
+            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
+            "select_across": request.POST.get("select_across", "0"),
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "confirm_label": confirm_label,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(
+            request, "admin/django_idempotency/action_confirmation.html", context
+        )
+
+
+def preformatted(text: str) -> SafeString:
+    return format_html('<pre class="idempotency-pre">{}</pre>', text)
+
+
+def pretty_json(value: Any) -> SafeString:
+    """JSON indented for reading, escaped so nothing in it becomes markup."""
+    return preformatted(json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True))
+
+
+def pretty_body(body: bytes | memoryview | None, content_type: str) -> SafeString:
+    """A stored body shown safely: JSON indented, text escaped, binary summarised."""
+    data = bytes(body or b"")
+    if not data:
+        return format_html("<em>{}</em>", _("(empty)"))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return format_html(
+            "<em>{}</em>",
+            _("%(size)d bytes of binary data (%(type)s), not shown.")
+            % {"size": len(data), "type": content_type or _("no content type")},
+        )
+    if "json" in content_type.lower() or text.lstrip()[:1] in ("{", "["):
+        try:
+            return pretty_json(json.loads(text))
+        except ValueError:
+            pass  # not JSON after all: show it as text
+    if len(text) > DISPLAY_BODY_CHARS:
+        cut = _("… (%(size)d characters in all)") % {"size": len(text)}
+        text = text[:DISPLAY_BODY_CHARS] + "\n" + cut
+    return preformatted(text)
+
+
+# --- idempotency records -------------------------------------------------------------------------
+
+
+class StuckFilter(admin.SimpleListFilter):
+    title = _("stuck")
+    parameter_name = "stuck"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [("yes", _("Stuck (lease expired)")), ("no", _("Not stuck"))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        if self.value() == "yes":
+            return queryset.stuck()  # type: ignore[attr-defined, no-any-return]
+        if self.value() == "no":
+            return queryset.exclude(lease_expired_q(timezone.now()))
+        return None
+
+
+class ExpiredFilter(admin.SimpleListFilter):
+    title = _("expired by TTL")
+    parameter_name = "expired"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [("yes", _("Expired, awaiting sweep")), ("no", _("Live"))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        if self.value() == "yes":
+            return queryset.expired()  # type: ignore[attr-defined, no-any-return]
+        if self.value() == "no":
+            return queryset.live()  # type: ignore[attr-defined, no-any-return]
+        return None
+
+
+class IdempotencyRecordAdmin(OperationsAdmin):
+    list_display = (
+        "key_display",
+        "scope",
+        "status",
+        "method",
+        "path_display",
+        "response_status",
+        "age",
+        "lease_left",
+        "stuck",
+    )
+    list_filter = (
+        "status",
+        StuckFilter,
+        ExpiredFilter,
+        ("created_at", admin.DateFieldListFilter),
+    )
+    # Sorting any other column sorts millions of rows; these have an index or are cheap enough.
+    sortable_by = ("scope", "age", "lease_left")
+    search_fields = ("key", "scope")
+    search_help_text = _("An exact key or scope (keys are case-sensitive).")
+    ordering = ("-pk",)
+    actions = ("release_keys", "force_release_keys")
+    fieldsets = (
+        (None, {"fields": ("scope", "key", "status", "stuck", "attempts")}),
+        (_("Request"), {"fields": ("method", "path", "fingerprint")}),
+        (_("Lease"), {"fields": ("owner_token", "lease_expires_at", "lease_left")}),
+        (
+            _("Stored response"),
+            {"fields": ("response_status", "headers_display", "body_display", "response_retained")},
+        ),
+        (_("Dates"), {"fields": ("created_at", "completed_at", "expires_at", "age")}),
+    )
+    readonly_fields = (
+        *("scope", "key", "status", "stuck", "attempts", "method", "path", "fingerprint"),
+        *("owner_token", "lease_expires_at", "lease_left", "response_status", "headers_display"),
+        *("body_display", "response_retained", "created_at", "completed_at", "expires_at", "age"),
+    )
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        # The body can be a megabyte per row; the list never shows it, the detail page loads it.
+        return super().get_queryset(request).defer("response_body")
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        """Exact match on key or scope: a substring search would scan every row."""
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        return queryset.filter(Q(key=term) | Q(scope=term)), False
+
+    # --- columns and fields ---
+
+    @admin.display(description=_("key"))
+    def key_display(self, record: IdempotencyRecord) -> str:
+        return Truncator(record.key).chars(40)
+
+    @admin.display(description=_("path"))
+    def path_display(self, record: IdempotencyRecord) -> str:
+        return Truncator(record.path).chars(60)
+
+    @admin.display(description=_("age"), ordering="created_at")
+    def age(self, record: IdempotencyRecord) -> str:
+        return health.elapsed(record.created_at, timezone.now())
+
+    @admin.display(description=_("lease left"), ordering="lease_expires_at")
+    def lease_left(self, record: IdempotencyRecord) -> str:
+        if record.status != PROCESSING or record.lease_expires_at is None:
+            return "–"
+        now = timezone.now()
+        if record.lease_expires_at > now:
+            return health.elapsed(now, record.lease_expires_at)
+        return _("expired %(age)s ago") % {"age": health.elapsed(record.lease_expires_at, now)}
+
+    @admin.display(description=_("stuck"), boolean=True)
+    def stuck(self, record: IdempotencyRecord) -> bool:
+        return (
+            record.status == PROCESSING
+            and record.lease_expires_at is not None
+            and record.lease_expires_at <= timezone.now()
+        )
+
+    @admin.display(description=_("response headers"))
+    def headers_display(self, record: IdempotencyRecord) -> SafeString:
+        return preformatted(
+            "\n".join(f"{name}: {value}" for name, value in record.response_headers)
+        )
+
+    @admin.display(description=_("response body"))
+    def body_display(self, record: IdempotencyRecord) -> SafeString:
+        if not record.response_retained:
+            return format_html(
+                "<em>{}</em>", _("Not retained: streamed, or larger than MAX_RESPONSE_BYTES.")
+            )
+        content_type = next(
+            (
+                str(value)
+                for name, value in record.response_headers or ()
+                if name.lower() == "content-type"
+            ),
+            "",
+        )
+        return pretty_body(record.response_body, content_type)
+
+    # --- actions ---
+
+    @admin.action(
+        description=_("Release selected keys (stuck or completed)"), permissions=["delete"]
+    )
+    def release_keys(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        self.report_release(request, release_records(queryset))
+
+    @admin.action(
+        description=_("Force release selected keys, even with a running lease…"),
+        permissions=["delete"],
+    )
+    def force_release_keys(
+        self, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> TemplateResponse | None:
+        if request.POST.get("post") == "yes":
+            self.report_release(request, release_records(queryset, force=True))
+            return None
+        running = queryset.lease_active()  # type: ignore[attr-defined]
+        running_count = health.count_rows(running)
+        shown = list(running.order_by("lease_expires_at")[:20])
+        return self.confirm_action(
+            request,
+            action="force_release_keys",
+            title=gettext("Force release idempotency keys"),
+            question=gettext(
+                "Requests may still be working on the keys below: their lease is running. "
+                "Releasing them makes each of those requests roll its changes back and answer "
+                "409 when it finishes; the client's retry then runs once. Stuck and completed "
+                "keys in the selection are released too. Release them?"
+            ),
+            objects=[
+                format_html(
+                    '<a href="{}">{}</a> ({}) — {}',
+                    reverse(
+                        f"{self.admin_site.name}:django_idempotency_idempotencyrecord_change",
+                        args=[quote(record.pk)],
+                    ),
+                    Truncator(record.key).chars(60),
+                    record.scope,
+                    _("lease left: %(left)s") % {"left": self.lease_left(record)},
+                )
+                for record in shown
+            ],
+            summary=ngettext(
+                "%(count)s selected key has a running lease.",
+                "%(count)s selected keys have a running lease; the first 20 are listed.",
+                running_count.value,
+            )
+            % {"count": running_count},
+            confirm_label=gettext("Yes, release them"),
+        )
+
+    def report_release(self, request: HttpRequest, result: ReleaseResult) -> None:
+        self.message_user(
+            request,
+            ngettext(
+                "Released %(count)d idempotency key.",
+                "Released %(count)d idempotency keys.",
+                result.released,
+            )
+            % {"count": result.released},
+            messages.SUCCESS,
+        )
+        if result.refused:
+            self.message_user(
+                request,
+                ngettext(
+                    "Refused %(count)d key whose lease is still running: a request may be "
+                    "working on it. Use “Force release” to release it anyway.",
+                    "Refused %(count)d keys whose lease is still running: requests may be "
+                    "working on them. Use “Force release” to release them anyway.",
+                    result.refused,
+                )
+                % {"count": result.refused},
+                messages.WARNING,
+            )
+
+
+def register(site: admin.AdminSite = admin.site) -> None:
+    """Register this app's admins on ``site`` (done for ``admin.site`` unless switched off)."""
+    site.register(IdempotencyRecord, IdempotencyRecordAdmin)
+
+
+if conf.REGISTER_ADMIN:
+    register()

@@ -1,0 +1,95 @@
+"""OpenTelemetry spans, and the W3C ``traceparent`` helpers that tie a message to its request.
+
+Optional: ``pip install 'django-idempotency[otel]'``. Without ``opentelemetry-api``, or with
+``IDEMPOTENCY["TRACING"] = False``, every helper here is a no-op. Only the API is used: spans go
+wherever the application's tracer provider sends them (nowhere until one is configured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from django_idempotency import __version__
+from django_idempotency.conf import conf
+
+if TYPE_CHECKING:
+    from opentelemetry import trace as otel_trace
+    from opentelemetry.trace import Span
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+else:
+    try:
+        from opentelemetry import trace as otel_trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    except ImportError:  # pragma: no cover - exercised only without the otel extra
+        otel_trace = None
+    Span = Any
+
+TRACER_NAME = "django_idempotency"
+TRACEPARENT = "traceparent"
+
+AttributeValue = str | bool | int | float
+
+
+def enabled() -> bool:
+    return otel_trace is not None and conf.TRACING
+
+
+def _tracer() -> otel_trace.Tracer:
+    # Looked up on each use, so a tracer provider installed after import is honoured.
+    return otel_trace.get_tracer(TRACER_NAME, __version__)
+
+
+@contextmanager
+def step_span(name: str, attributes: Mapping[str, AttributeValue]) -> Iterator[Span | None]:
+    """A span around one engine step, child of the current (request) span; exceptions recorded."""
+    if not enabled():
+        yield None
+        return
+    with _tracer().start_as_current_span(name, attributes=dict(attributes)) as span:
+        yield span
+
+
+def current_traceparent() -> str | None:
+    """The W3C ``traceparent`` of the current span, to store beside an event it causes.
+
+    Always the W3C format, whatever propagator the application configured globally, because
+    the stored value must be readable by :func:`consumer_span` in any other process.
+    """
+    if not enabled():
+        return None
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier)
+    return carrier.get(TRACEPARENT)
+
+
+@contextmanager
+def consumer_span(
+    name: str,
+    traceparent: str | None,
+    *,
+    attributes: Mapping[str, AttributeValue] | None = None,
+) -> Iterator[Span | None]:
+    """A CONSUMER span linked to the span whose ``traceparent`` was stored with the message.
+
+    A link, not a parent: the consumer's span stays in the consumer's own trace (a Celery task's,
+    say), and tracing back-ends follow the link to the HTTP request that published the message.
+    A missing or malformed ``traceparent`` gives a span without a link.
+    """
+    if not enabled():
+        yield None
+        return
+    links = []
+    if traceparent:
+        context = TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent})
+        linked = otel_trace.get_current_span(context).get_span_context()
+        if linked.is_valid:
+            links.append(otel_trace.Link(linked))
+    with _tracer().start_as_current_span(
+        name,
+        kind=otel_trace.SpanKind.CONSUMER,
+        links=links,
+        attributes=dict(attributes or {}),
+    ) as span:
+        yield span

@@ -1,0 +1,298 @@
+"""The IdempotencyRecord admin through Django's test client: filters, actions, permissions."""
+
+from __future__ import annotations
+
+import importlib
+from datetime import timedelta
+
+import pytest
+from django.contrib import admin
+from django.contrib.admin import helpers
+from django.contrib.auth.models import Permission, User
+from django.test import Client, override_settings
+from django.urls import reverse
+from django.utils import timezone
+
+from django_idempotency.models import IdempotencyRecord
+from tests.factories import IdempotencyRecordFactory
+
+pytestmark = pytest.mark.django_db
+
+CHANGELIST = "admin:django_idempotency_idempotencyrecord_changelist"
+
+
+def changelist(query: str = "") -> str:
+    return reverse(CHANGELIST) + (f"?{query}" if query else "")
+
+
+def detail(record: IdempotencyRecord) -> str:
+    return reverse("admin:django_idempotency_idempotencyrecord_change", args=[record.pk])
+
+
+def login(*codenames: str, superuser: bool = False) -> Client:
+    user = User.objects.create_user(f"user-{User.objects.count()}", is_staff=True)
+    user.is_superuser = superuser
+    user.save()
+    user.user_permissions.set(
+        Permission.objects.filter(
+            content_type__app_label="django_idempotency", codename__in=codenames
+        )
+    )
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def superuser() -> Client:
+    return login(superuser=True)
+
+
+def shown_keys(response) -> set[str]:
+    assert response.status_code == 200, response.content[:500]
+    return {record.key for record in response.context["cl"].result_list}
+
+
+def action(client: Client, name: str, records, query: str = "", **extra: str):
+    data = {"action": name, helpers.ACTION_CHECKBOX_NAME: [r.pk for r in records], **extra}
+    if "post" not in extra:
+        data["index"] = "0"
+    return client.post(changelist(query), data, follow=True)
+
+
+def messages_of(response) -> list[str]:
+    return [f"{m.level_tag}: {m}" for m in response.context["messages"]]
+
+
+@pytest.fixture
+def records() -> dict[str, IdempotencyRecord]:
+    return {
+        "completed": IdempotencyRecordFactory(key="done"),
+        "stuck": IdempotencyRecordFactory(key="stuck", stuck=True),
+        "running": IdempotencyRecordFactory(key="running", running=True),
+        "expired": IdempotencyRecordFactory(key="expired", expired=True),
+        "old": IdempotencyRecordFactory(key="old", created_at=timezone.now() - timedelta(days=30)),
+    }
+
+
+# --- list, health, filters, search -----------------------------------------------------------
+
+
+def test_changelist_lists_records_with_their_columns(superuser, records):
+    response = superuser.get(changelist())
+    assert shown_keys(response) == set(map(str, ["done", "stuck", "running", "expired", "old"]))
+    html = response.content.decode()
+    for header in ("Key", "Scope", "Status", "Method", "Path", "Response status", "Age"):
+        assert f">{header}<" in html or f">{header}</a>" in html, header
+    assert "Lease left" in html
+    assert "expired 1\xa0minute ago" in html  # the stuck key's lease column
+    assert 'alt="True"' in html  # the stuck flag
+
+
+def test_health_panel_shows_records_by_status_and_stuck_keys(superuser, records):
+    response = superuser.get(changelist())
+    (section,) = response.context["idempotency_health"].sections
+    figures = {item["figure"].label: item for item in section["figures"]}
+    assert figures["processing"]["figure"].value == "2"
+    assert figures["completed"]["figure"].value == "3"
+    assert figures["stuck"]["figure"].value == "1"
+    assert figures["stuck"]["figure"].alert
+    assert figures["stuck"]["url"] == changelist("stuck=yes")
+    assert figures["stuck for"]["figure"].value == "1\xa0minute"
+    assert figures["expired, awaiting sweep"]["figure"].value == "1"
+    assert 'id="idempotency-health"' in response.content.decode()
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("status__exact=PROCESSING", {"stuck", "running"}),
+        ("status__exact=COMPLETED", {"done", "expired", "old"}),
+        ("stuck=yes", {"stuck"}),
+        ("stuck=no", {"done", "running", "expired", "old"}),
+        ("expired=yes", {"expired"}),
+        ("expired=no", {"done", "stuck", "running", "old"}),
+    ],
+)
+def test_filters(superuser, records, query, expected):
+    assert shown_keys(superuser.get(changelist(query))) == expected
+
+
+def test_date_filter(superuser, records):
+    response = superuser.get(changelist())
+    (date_filter,) = [
+        spec for spec in response.context["cl"].filter_specs if spec.title == "created at"
+    ]
+    choices = {
+        choice["display"]: choice["query_string"]
+        for choice in date_filter.choices(response.context["cl"])
+    }
+    past_week = superuser.get(reverse(CHANGELIST) + choices["Past 7 days"])
+    assert shown_keys(past_week) == {"done", "stuck", "running", "expired"}
+
+
+def test_search_matches_an_exact_key_or_scope(superuser, records):
+    IdempotencyRecordFactory(key="done", scope="user:2")
+    assert shown_keys(superuser.get(changelist("q=stuck"))) == {"stuck"}
+    assert {r.scope for r in superuser.get(changelist("q=done")).context["cl"].result_list} == {
+        "user:1",
+        "user:2",
+    }
+    assert shown_keys(superuser.get(changelist("q=user:2"))) == {"done"}
+    assert shown_keys(superuser.get(changelist("q=stu"))) == set()
+    assert shown_keys(superuser.get(changelist("q=STUCK"))) == set()  # keys are case-sensitive
+
+
+# --- detail page -------------------------------------------------------------------------------
+
+
+def test_detail_page_is_read_only_and_pretty_prints_json(superuser):
+    record = IdempotencyRecordFactory(response_body=b'{"id":7,"amount":"10.00"}')
+    response = superuser.get(detail(record))
+    html = response.content.decode()
+    assert response.status_code == 200
+    assert "{\n  &quot;amount&quot;: &quot;10.00&quot;,\n  &quot;id&quot;: 7\n}" in html
+    assert record.fingerprint in html
+    assert "Content-Type: application/json" in html  # stored headers, one per line
+    assert str(record.owner_token) in html
+    assert 'name="_save"' not in html
+    assert "<textarea" not in html and 'name="key"' not in html  # no editable field
+    assert superuser.post(detail(record), {"status": "COMPLETED"}).status_code == 403
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "shown"),
+    [
+        (b"<script>alert(1)</script>", [["Content-Type", "text/html"]], "&lt;script&gt;alert(1)"),
+        (b"\xff\xfe\x00binary", [["Content-Type", "image/png"]], "9 bytes of binary data"),
+        (b"not json {", [["Content-Type", "application/json"]], "not json {"),
+        (b"", [], "(empty)"),
+        (b"x" * (64 * 1024 + 10), [["Content-Type", "text/plain"]], "(65546 characters in all)"),
+    ],
+)
+def test_detail_page_shows_other_bodies_safely(superuser, body, headers, shown):
+    record = IdempotencyRecordFactory(response_body=body, response_headers=headers)
+    html = superuser.get(detail(record)).content.decode()
+    assert shown in html
+    assert "<script>alert(1)" not in html
+
+
+def test_detail_page_says_when_the_body_was_not_retained(superuser):
+    record = IdempotencyRecordFactory(response_body=b"", response_retained=False)
+    assert "Not retained" in superuser.get(detail(record)).content.decode()
+
+
+def test_nothing_can_be_added_edited_or_deleted_by_form(superuser, records):
+    record = records["completed"]
+    assert (
+        superuser.get(reverse("admin:django_idempotency_idempotencyrecord_add")).status_code == 403
+    )
+    delete_url = reverse("admin:django_idempotency_idempotencyrecord_delete", args=[record.pk])
+    assert superuser.post(delete_url, {"post": "yes"}).status_code == 403
+    actions = superuser.get(changelist()).context["action_form"].fields["action"].choices
+    assert [name for name, _label in actions if name] == ["release_keys", "force_release_keys"]
+    assert IdempotencyRecord.objects.filter(pk=record.pk).exists()
+
+
+# --- actions -----------------------------------------------------------------------------------
+
+
+def test_release_frees_stuck_and_completed_keys_and_refuses_a_running_lease(
+    superuser, records, released
+):
+    chosen = [records["stuck"], records["completed"], records["running"]]
+    response = action(superuser, "release_keys", chosen)
+    assert messages_of(response) == [
+        "success: Released 2 idempotency keys.",
+        "warning: Refused 1 key whose lease is still running: a request may be working on it. "
+        "Use “Force release” to release it anyway.",
+    ]
+    remaining = set(IdempotencyRecord.objects.values_list("key", flat=True))
+    assert remaining == {"running", "expired", "old"}
+    assert sorted(released) == [("user:1", "done", "admin"), ("user:1", "stuck", "admin")]
+
+
+def test_release_reports_a_single_key_in_the_singular(superuser, records, released):
+    response = action(superuser, "release_keys", [records["stuck"]])
+    assert messages_of(response) == ["success: Released 1 idempotency key."]
+    assert released == [("user:1", "stuck", "admin")]
+
+
+def test_force_release_asks_for_confirmation_first(superuser, records, released):
+    chosen = [records["running"], records["stuck"]]
+    page = action(superuser, "force_release_keys", chosen)
+    html = page.content.decode()
+    assert page.status_code == 200
+    assert "Force release idempotency keys" in html
+    assert "1 selected key has a running lease." in html
+    assert ">running</a>" in html
+    assert IdempotencyRecord.objects.filter(key__in=["running", "stuck"]).count() == 2
+    assert released == []
+
+    confirmed = action(superuser, "force_release_keys", chosen, post="yes")
+    assert messages_of(confirmed) == ["success: Released 2 idempotency keys."]
+    assert not IdempotencyRecord.objects.filter(key__in=["running", "stuck"]).exists()
+    assert sorted(released) == [("user:1", "running", "admin"), ("user:1", "stuck", "admin")]
+
+
+def test_release_all_matching_a_filter(superuser, released):
+    stuck = IdempotencyRecordFactory.create_batch(3, stuck=True)
+    IdempotencyRecordFactory.create_batch(2)
+    response = action(superuser, "release_keys", stuck[:1], query="stuck=yes", select_across="1")
+    assert messages_of(response) == ["success: Released 3 idempotency keys."]
+    assert IdempotencyRecord.objects.count() == 2
+    assert len(released) == 3
+
+
+# --- permissions -------------------------------------------------------------------------------
+
+
+def test_view_permission_sees_records_but_cannot_act(records, released):
+    client = login("view_idempotencyrecord")
+    response = client.get(changelist())
+    assert shown_keys(response)
+    assert response.context["action_form"] is None
+    assert client.get(detail(records["stuck"])).status_code == 200
+    response = action(client, "release_keys", [records["stuck"]])
+    assert response.status_code == 200 and messages_of(response) == []
+    assert IdempotencyRecord.objects.filter(key="stuck").exists()
+    assert released == []
+
+
+def test_change_permission_alone_cannot_release(records):
+    client = login("change_idempotencyrecord")
+    assert client.get(changelist()).context["action_form"] is None
+    assert client.get(detail(records["stuck"])).status_code == 200
+
+
+def test_delete_permission_releases(records, released):
+    client = login("view_idempotencyrecord", "delete_idempotencyrecord")
+    response = action(client, "release_keys", [records["stuck"]])
+    assert messages_of(response) == ["success: Released 1 idempotency key."]
+    assert released == [("user:1", "stuck", "admin")]
+
+
+def test_no_permission_no_page(records):
+    client = login()
+    assert client.get(changelist()).status_code == 403
+    assert client.get(detail(records["stuck"])).status_code == 403
+
+
+# --- registration ------------------------------------------------------------------------------
+
+
+def test_registration_can_be_switched_off():
+    from django_idempotency import admin as idempotency_admin
+
+    admin.site.unregister(IdempotencyRecord)
+    try:
+        with override_settings(IDEMPOTENCY={"REGISTER_ADMIN": False}):
+            importlib.reload(idempotency_admin)
+        assert not admin.site.is_registered(IdempotencyRecord)
+        site = admin.AdminSite(name="custom")
+        idempotency_admin.register(site)
+        assert site.is_registered(IdempotencyRecord)
+    finally:
+        if not admin.site.is_registered(IdempotencyRecord):
+            importlib.reload(idempotency_admin)
+    assert admin.site.is_registered(IdempotencyRecord)
