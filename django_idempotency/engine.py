@@ -477,28 +477,61 @@ def complete(lease: Lease, stored: StoredResponse) -> None:
     """
     now = timezone.now()
     expires_at = now + timedelta(seconds=conf.TTL_SECONDS)
-    updated = (
-        IdempotencyRecord.objects.using(lease.using)
-        .for_key(lease.identity.scope, lease.identity.key)
-        .filter(owner_token=lease.owner_token, status=PROCESSING)
-        .update(
-            status=COMPLETED,
-            response_status=stored.status,
-            response_headers=headers_as_json(stored.headers),
-            response_body=stored.body,
-            response_retained=stored.retained,
-            completed_at=now,
-            expires_at=expires_at,
-            lease_expires_at=None,
-        )
+    updated = _update_owned(
+        lease,
+        status=COMPLETED,
+        response_status=stored.status,
+        response_headers=headers_as_json(stored.headers),
+        response_body=stored.body,
+        response_retained=stored.retained,
+        completed_at=now,
+        expires_at=expires_at,
+        lease_expires_at=None,
     )
     if updated != 1:
         raise LeaseLost(f"lease on {redact(lease.identity.key)} was taken over")
-    # Redis fast path hook: copy the response only once it is committed, never for a rollback.
-    transaction.on_commit(
-        functools.partial(fastpath.completed, lease, stored, expires_at),
-        using=lease.using,
-        robust=True,
+    if fastpath.enabled():
+        # Redis fast path hook: copy the response only once it is committed, never for a
+        # rollback.
+        transaction.on_commit(
+            functools.partial(fastpath.completed, lease, stored, expires_at),
+            using=lease.using,
+            robust=True,
+        )
+
+
+def _update_owned(lease: Lease, **values: Any) -> int:
+    """``UPDATE`` the record if this request still owns it (PROCESSING, our owner token).
+
+    One hand-built statement, cached per connection: it runs on every request, and the ORM's
+    ``update()`` spends most of its time compiling the same query again.
+    """
+    connection = connections[lease.using]
+    sql = _update_owned_sql(lease.using, tuple(values))
+    params = [_field(name).get_db_prep_save(value, connection) for name, value in values.items()]
+    params += [
+        lease.identity.scope,
+        lease.identity.key,
+        _field("owner_token").get_db_prep_save(lease.owner_token, connection),
+        PROCESSING,
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return int(cursor.rowcount)
+
+
+@functools.lru_cache(maxsize=32)
+def _update_owned_sql(using: str, names: tuple[str, ...]) -> str:
+    quote = connections[using].ops.quote_name
+
+    def column(name: str) -> str:
+        return quote(str(_field(name).column))
+
+    assignments = ", ".join(f"{column(name)} = %s" for name in names)
+    return (
+        f"UPDATE {quote(IdempotencyRecord._meta.db_table)} SET {assignments} "
+        f"WHERE {column('scope')} = %s AND {column('key')} = %s "
+        f"AND {column('owner_token')} = %s AND {column('status')} = %s"
     )
 
 
@@ -530,13 +563,8 @@ def release(lease: Lease, reason: str) -> bool:
 
 def extend(lease: Lease) -> bool:
     """Push the lease forward (heartbeat). False once the key was taken over or completed."""
-    updated = (
-        IdempotencyRecord.objects.using(lease.using)
-        .for_key(lease.identity.scope, lease.identity.key)
-        .filter(owner_token=lease.owner_token, status=PROCESSING)
-        .update(lease_expires_at=timezone.now() + timedelta(seconds=conf.LEASE_SECONDS))
-    )
-    return bool(updated == 1)
+    expires_at = timezone.now() + timedelta(seconds=conf.LEASE_SECONDS)
+    return _update_owned(lease, lease_expires_at=expires_at) == 1
 
 
 class LeaseHeartbeat:
@@ -702,20 +730,24 @@ def _announce(identity: Identity, decision: Decision) -> None:
         case Proceed(lease=lease):
             _send(signals.key_claimed, identity, attempt=lease.attempt)
             if lease.taken_over:
-                logger.info(
-                    "idempotency key taken over",
-                    extra=_log_extra(identity, "taken_over", attempt=lease.attempt),
-                )
+                _log_info("idempotency key taken over", identity, "taken_over", lease.attempt)
                 _send(signals.key_taken_over, identity, attempt=lease.attempt)
         case Replay(response=stored):
-            logger.info("idempotency replay", extra=_log_extra(identity, "replayed"))
+            _log_info("idempotency replay", identity, "replayed")
             _send(signals.response_replayed, identity, status=stored.status)
         case Conflict(retry_after=retry_after):
-            logger.info("idempotency conflict", extra=_log_extra(identity, "conflicted"))
+            _log_info("idempotency conflict", identity, "conflicted")
             _send(signals.request_conflicted, identity, retry_after=retry_after)
         case Mismatch():
-            logger.info("idempotency payload mismatch", extra=_log_extra(identity, "mismatched"))
+            _log_info("idempotency payload mismatch", identity, "mismatched")
             _send(signals.payload_mismatched, identity)
+
+
+def _log_info(message: str, identity: Identity, event: str, attempt: int | None = None) -> None:
+    # Checked first: building the structured fields hashes the key, on every request.
+    if logger.isEnabledFor(logging.INFO):
+        fields = {} if attempt is None else {"attempt": attempt}
+        logger.info(message, extra=_log_extra(identity, event, **fields))
 
 
 def _send(signal: Any, identity: Identity, **kwargs: Any) -> None:

@@ -33,8 +33,7 @@ def instrumented(step: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
             identity = _identity(args[0] if args else None)
             started = time.perf_counter()
             outcome = "error"
-            attributes = _attributes(identity, args)
-            with tracing.step_span(SPAN_PREFIX + step, attributes) as span:
+            with tracing.step_span(SPAN_PREFIX + step, lambda: _attributes(identity, args)) as span:
                 try:
                     result = func(*args, **kwargs)
                     outcome = _outcome(step, result)

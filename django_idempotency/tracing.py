@@ -7,7 +7,7 @@ wherever the application's tracer provider sends them (nowhere until one is conf
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -42,12 +42,17 @@ def _tracer() -> otel_trace.Tracer:
 
 
 @contextmanager
-def step_span(name: str, attributes: Mapping[str, AttributeValue]) -> Iterator[Span | None]:
-    """A span around one engine step, child of the current (request) span; exceptions recorded."""
+def step_span(
+    name: str, attributes: Callable[[], Mapping[str, AttributeValue]]
+) -> Iterator[Span | None]:
+    """A span around one engine step, child of the current (request) span; exceptions recorded.
+
+    ``attributes`` is called only when a span is made: it hashes the key, on every request.
+    """
     if not enabled():
         yield None
         return
-    with _tracer().start_as_current_span(name, attributes=dict(attributes)) as span:
+    with _tracer().start_as_current_span(name, attributes=dict(attributes())) as span:
         yield span
 
 
