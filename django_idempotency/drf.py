@@ -143,20 +143,9 @@ def run_api_view(
     heartbeat: bool | None,
 ) -> HttpResponseBase:
     """``@idempotent`` below ``@api_view``: the same lifecycle as the mixin, for a function."""
-    response = _run_api_view(request, func, args, kwargs, should_store, heartbeat)
-    return hand_over_cleanup(request._request, response)
-
-
-def _run_api_view(
-    request: Request,
-    func: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    should_store: Callable[[HttpResponseBase], bool],
-    heartbeat: bool | None,
-) -> HttpResponseBase:
     view: APIView = request.parser_context["view"]
-    try:
+
+    def respond() -> HttpResponseBase:
         decision = _claim(
             request,
             scope=lambda: engine.resolve_scope(request),
@@ -177,8 +166,12 @@ def _run_api_view(
             should_store=should_store,
             heartbeat=heartbeat,
         )
+
+    try:
+        response = respond()
     except IdempotencyHTTPError as exc:
-        return problem_details(view.handle_exception(exc), exc, request)
+        response = problem_details(view.handle_exception(exc), exc, request)
+    return hand_over_cleanup(request._request, response)
 
 
 def _claim(
