@@ -26,10 +26,12 @@ commit can insert into. The price: a long-running write transaction anywhere on 
 delays keyed events (never keyless ones) until it ends. On MariaDB and SQLite ``transaction_id``
 is 0 and the order is plain id order among committed events.
 
-MariaDB's default REPEATABLE READ would take gap locks in the claim's locking scan (blocking
-``publish()`` inserts) and keep one snapshot per transaction; the claim runs at READ COMMITTED,
-every transaction here is short, and the polling loop calls ``close_old_connections()``, so no
-pass reads a stale snapshot.
+MariaDB's own default is REPEATABLE READ (Django's MySQL backend asks for READ COMMITTED unless
+``OPTIONS["isolation_level"]`` says otherwise). Under REPEATABLE READ a snapshot lives as long as
+its transaction, so nothing here keeps one: each claim and each ack is a new short transaction,
+the claim's locking read sees the latest committed rows whatever the level, the relay refuses to
+run inside an outer transaction, and the polling loop calls ``close_old_connections()``. The
+gap locks REPEATABLE READ adds to the claim's scan last only for that short transaction.
 """
 
 from __future__ import annotations
@@ -230,11 +232,7 @@ class Relay:
     def _claim(self, now: datetime) -> list[OutboxEvent]:
         connection = connections[self.using]
         features = connection.features
-        outermost = not connection.in_atomic_block
         with transaction.atomic(using=self.using):
-            if connection.vendor == "mysql" and outermost:
-                with connection.cursor() as cursor:
-                    cursor.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
             candidates = self._candidates(now)
             if features.has_select_for_update:
                 candidates = candidates.select_for_update(

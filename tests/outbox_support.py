@@ -13,7 +13,9 @@ from django_idempotency.outbox import publish
 from django_idempotency.publishers.memory import broker
 
 
-def publish_committed(topic: str = "orders.paid", payload: Any = None, **kwargs: Any) -> OutboxEvent:
+def publish_committed(
+    topic: str = "orders.paid", payload: Any = None, **kwargs: Any
+) -> OutboxEvent:
     with transaction.atomic():
         return publish(topic, {"n": 1} if payload is None else payload, **kwargs)
 

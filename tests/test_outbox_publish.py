@@ -130,7 +130,9 @@ def test_bad_input_is_refused_with_a_clear_error(kwargs, message):
 
 def test_an_unroutable_topic_fails_at_publish_time():
     with (
-        settings_with(OUTBOX_PUBLISHERS={"orders.*": "django_idempotency.publishers.log.LoggingPublisher"}),
+        settings_with(
+            OUTBOX_PUBLISHERS={"orders.*": "django_idempotency.publishers.log.LoggingPublisher"}
+        ),
         pytest.raises(UnroutableTopic, match="OUTBOX_PUBLISHERS"),
         transaction.atomic(),
     ):
