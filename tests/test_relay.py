@@ -78,12 +78,14 @@ def test_per_key_order_holds_across_many_injected_failures():
         publish_committed(payload={"n": n, "key": keys[n % 3]}, key=keys[n % 3])
     chance = random.Random(7)
     broker.fail_when(lambda m: chance.random() < 0.4)
-    with settings_with(OUTBOX_BACKOFF_BASE_SECONDS=0.001, OUTBOX_BACKOFF_MAX_SECONDS=0.002):
-        with Relay(batch_size=7) as relay:
-            for _ in range(500):
-                relay.drain()
-                if not OutboxEvent.objects.pending().exists():
-                    break
+    fast_backoff = settings_with(
+        OUTBOX_BACKOFF_BASE_SECONDS=0.001, OUTBOX_BACKOFF_MAX_SECONDS=0.002
+    )
+    with fast_backoff, Relay(batch_size=7) as relay:
+        for _ in range(500):
+            relay.drain()
+            if not OutboxEvent.objects.pending().exists():
+                break
     assert not OutboxEvent.objects.unpublished().exists()
     for key in keys:
         sequence = [m.payload["n"] for m in broker.snapshot() if m.key == key]
@@ -127,11 +129,11 @@ def test_an_event_is_dead_after_max_attempts_and_retry_dead_brings_it_back():
     signals.publish_failed.connect(lambda sender, **kw: failed.append(kw), weak=False)
     broker.fail_when(lambda m: m.event_id == event.event_id)
     try:
-        with settings_with(OUTBOX_MAX_ATTEMPTS=3, OUTBOX_BACKOFF_BASE_SECONDS=0.001):
-            with Relay(rng=random.Random(1)) as relay:
-                for _ in range(3):
-                    OutboxEvent.objects.pending().update(next_attempt_at=timezone.now())
-                    relay.run_once()
+        three_attempts = settings_with(OUTBOX_MAX_ATTEMPTS=3, OUTBOX_BACKOFF_BASE_SECONDS=0.001)
+        with three_attempts, Relay(rng=random.Random(1)) as relay:
+            for _ in range(3):
+                OutboxEvent.objects.pending().update(next_attempt_at=timezone.now())
+                relay.run_once()
     finally:
         signals.event_dead.receivers.clear()
         signals.publish_failed.receivers.clear()
@@ -195,9 +197,8 @@ def test_events_not_sent_before_the_lease_budget_ran_out_are_released():
 
 def test_a_topic_without_publisher_at_relay_time_fails_with_the_reason():
     publish_committed("orders.paid")
-    with settings_with(OUTBOX_PUBLISHERS={"invoices.*": "x.Y"}):
-        with Relay() as relay:
-            assert relay.run_once().failed == 1
+    with settings_with(OUTBOX_PUBLISHERS={"invoices.*": "x.Y"}), Relay() as relay:
+        assert relay.run_once().failed == 1
     assert "No publisher for topic 'orders.paid'" in OutboxEvent.objects.get().last_error
 
 
