@@ -66,15 +66,16 @@ def test_publisher_set_builds_once_per_route_and_explains_bad_backends():
     publishers = PublisherSet()
     with settings_with(OUTBOX_PUBLISHERS={"*": MEMORY}):
         assert publishers.for_topic("a") is publishers.for_topic("b")
-    with settings_with(OUTBOX_PUBLISHERS={"*": "django_idempotency.conf.conf"}):
-        with pytest.raises(IdempotencyConfigurationError, match="not a Publisher subclass"):
-            PublisherSet().for_topic("a")
-    bad_options = {"*": {"BACKEND": MEMORY, "OPTIONS": {"colour": "red"}}}
-    with settings_with(OUTBOX_PUBLISHERS=bad_options):
-        with pytest.raises(IdempotencyConfigurationError, match="does not accept"):
-            PublisherSet().for_topic("a")
-    with settings_with(OUTBOX_PUBLISHERS={"*": "no.such.Publisher"}):
-        with pytest.raises(IdempotencyConfigurationError, match="could not be imported"):
+    cases = [
+        ("django_idempotency.conf.conf", "not a Publisher subclass"),
+        ({"BACKEND": MEMORY, "OPTIONS": {"colour": "red"}}, "does not accept"),
+        ("no.such.Publisher", "could not be imported"),
+    ]
+    for spec, error in cases:
+        with (
+            settings_with(OUTBOX_PUBLISHERS={"*": spec}),
+            pytest.raises(IdempotencyConfigurationError, match=error),
+        ):
             PublisherSet().for_topic("a")
     publishers.close()
 
