@@ -125,7 +125,7 @@ def test_celery_publisher_sends_the_task_with_the_event_id_as_task_id():
 
     broker_url = "memory://"
     queue = f"q-{uuid.uuid4().hex}"
-    app.conf.broker_url = broker_url
+    original, app.conf.broker_url = app.conf.broker_url, broker_url
     try:
         publisher = CeleryPublisher(
             app="tests.celery_app.app", task="tests.testapp.tasks.record_effect", queue=queue
@@ -139,7 +139,7 @@ def test_celery_publisher_sends_the_task_with_the_event_id_as_task_id():
             first, second = simple.get(timeout=5), simple.get(timeout=5)
             simple.close()
     finally:
-        app.conf.broker_url = None
+        app.conf.broker_url = original
         app.pool.force_close_all()
     assert first.headers["id"] == str(sent.event_id)
     assert first.headers["task"] == "tests.testapp.tasks.record_effect"
