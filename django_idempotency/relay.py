@@ -19,12 +19,15 @@ a batch a key's events go out one wave at a time, so a failure holds back the re
 
 On PostgreSQL ids come from a sequence at INSERT time, so an earlier-id event of a transaction
 still running may not be visible yet; passing over it would break the order once it commits. So
-``publish()`` stores the inserting transaction's id and the relay only claims a keyed event when
-every transaction that began before it has finished (its id is below the snapshot's xmin).
+``publish()`` stores the inserting transaction's id and the relay only claims a keyed event once
+every transaction of this database that began before it (an older transaction id) has ended.
 Every earlier event is then visible, and ``(transaction_id, id)`` is a total order no later
-commit can insert into. The price: a long-running write transaction anywhere on the server
-delays keyed events (never keyless ones) until it ends. On MariaDB and SQLite ``transaction_id``
-is 0 and the order is plain id order among committed events.
+commit can insert into. "Began before" is read from the claim's own snapshot (its list of running
+transaction ids, so nothing can finish unseen between two reads); the running transactions
+``pg_stat_activity`` places in *other* databases are left out, since they cannot write this
+table. The price: a long write transaction in this database delays keyed events (never keyless
+ones) until it ends. On MariaDB and SQLite ``transaction_id`` is 0 and the order is plain id
+order among committed events.
 
 MariaDB's own default is REPEATABLE READ (Django's MySQL backend asks for READ COMMITTED unless
 ``OPTIONS["isolation_level"]`` says otherwise). Under REPEATABLE READ a snapshot lives as long as
@@ -75,8 +78,20 @@ from django_idempotency.querysets import (
 
 logger = logging.getLogger(__name__)
 
-#: Oldest transaction id still running: events of transactions below it can no longer change.
-_SNAPSHOT_XMIN = "pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+#: The oldest transaction id that, as of this statement's snapshot, is still running and not known
+#: to belong to another database (prepared transactions count: their database is not listed).
+#: A keyed event inserted by an older transaction than that can no longer be overtaken.
+_OLDEST_RUNNING_HERE = """COALESCE((
+    SELECT min(running::text::bigint)
+    FROM pg_snapshot_xip(pg_current_snapshot()) AS running
+    WHERE xid(running) NOT IN (
+        SELECT activity.backend_xid FROM pg_stat_activity AS activity
+        WHERE activity.backend_xid IS NOT NULL
+        AND activity.datid IS DISTINCT FROM (
+            SELECT oid FROM pg_database WHERE datname = current_database()
+        )
+    )
+), pg_snapshot_xmax(pg_current_snapshot())::text::bigint)"""
 #: The relay's own transaction, when it runs inside the publishing one (the test fixture).
 _OWN_TRANSACTION = "pg_current_xact_id_if_assigned()::text::bigint"
 #: Share of the lease a batch may spend publishing before it stops and releases the rest.
@@ -224,7 +239,7 @@ class Relay:
         if connections[self.using].vendor == "postgresql":
             candidates = candidates.filter(
                 Q(key="")
-                | Q(transaction_id__lt=RawSQL(_SNAPSHOT_XMIN, []))
+                | Q(transaction_id__lt=RawSQL(_OLDEST_RUNNING_HERE, []))
                 | Q(transaction_id=RawSQL(_OWN_TRANSACTION, []))
             )
         return candidates.in_relay_order()

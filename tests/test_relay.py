@@ -233,3 +233,20 @@ def test_postgresql_holds_keyed_events_behind_an_older_open_transaction():
         relay.drain()
     assert [m.payload["n"] for m in broker.snapshot()] == [3, 1, 2]
     assert broker.snapshot()[2].event_id == later.event_id
+
+
+def test_postgresql_ignores_open_transactions_of_other_databases():
+    if not is_postgresql():
+        pytest.skip("the transaction gate is PostgreSQL's")
+    from django.db import connection
+
+    params = {**connection.get_connection_params(), "dbname": "postgres"}
+    elsewhere = connection.get_new_connection(params)
+    try:
+        elsewhere.execute("SELECT pg_current_xact_id()")  # a running transaction with an id
+        event = publish_committed(key="k")
+        with Relay() as relay:
+            relay.drain()
+        assert [m.event_id for m in broker.snapshot()] == [event.event_id]
+    finally:
+        elsewhere.close()
