@@ -16,7 +16,7 @@ DJANGO6 := django>=6.0,<7
 PYTEST := python -m pytest -p no:cacheprovider
 COVERAGE_FLOOR ?= 90
 
-.PHONY: demo test lint typecheck migrations-check test-django52 test-django6 docs clean
+.PHONY: demo test lint typecheck migrations-check test-django52 test-django6 docs clean bench-relay
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,10 @@ test-django6: $(VENV_DJANGO6)/.installed
 		TEST_DATABASE=$$db COVERAGE_FILE=.coverage.dj6.$$db $(VENV_DJANGO6)/bin/$(PYTEST) \
 			--cov=django_idempotency --cov-report= -m "not reliability" || exit 1; \
 	done
+
+## bench-relay: outbox relay events/s on PostgreSQL (POSTGRES_URL; AMQP_URL for the AMQP rows)
+bench-relay: $(VENV)/.installed
+	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/relay_throughput.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_DJANGO6) .coverage* site

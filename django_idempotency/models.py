@@ -207,8 +207,11 @@ class OutboxEvent(models.Model):
             ),
         ]
         indexes = [
-            # The relay: PENDING events whose next attempt has come.
-            models.Index(fields=["status", "next_attempt_at"], name="django_idem_outbox_due_idx"),
+            # The relay's claim walks PENDING events in relay order and stops after a batch,
+            # whatever the backlog; due-ness and leases are checked on the way.
+            models.Index(
+                fields=["status", "transaction_id", "id"], name="django_idem_outbox_relay_idx"
+            ),
             # The per-key order check: earlier unpublished events with the same key.
             models.Index(fields=["key", "transaction_id", "id"], name="django_idem_outbox_key_idx"),
             # The sweep of published events past OUTBOX_RETENTION_SECONDS.
