@@ -121,26 +121,19 @@ def test_logging_publisher_logs_the_event(caplog):
 
 
 def test_celery_publisher_sends_the_task_with_the_event_id_as_task_id():
-    from tests.celery_app import app
+    from celery import Celery
 
-    broker_url = "memory://"
+    app = Celery("publisher-test", set_as_current=False, broker="memory://")
     queue = f"q-{uuid.uuid4().hex}"
-    original, app.conf.broker_url = app.conf.broker_url, broker_url
-    try:
-        publisher = CeleryPublisher(
-            app="tests.celery_app.app", task="tests.testapp.tasks.record_effect", queue=queue
-        )
-        sent = message(payload={"name": "celery"}, tenant="acme")
-        publisher.publish(sent)
-        other = message(payload=["positional"])
-        CeleryPublisher(app="tests.celery_app.app", queue=queue).publish(other)
-        with app.connection_for_read() as connection:
-            simple = connection.SimpleQueue(queue)
-            first, second = simple.get(timeout=5), simple.get(timeout=5)
-            simple.close()
-    finally:
-        app.conf.broker_url = original
-        app.pool.force_close_all()
+    publisher = CeleryPublisher(app=app, task="tests.testapp.tasks.record_effect", queue=queue)
+    sent = message(payload={"name": "celery"}, tenant="acme")
+    publisher.publish(sent)
+    other = message(payload=["positional"])
+    CeleryPublisher(app=app, queue=queue).publish(other)
+    with app.connection_for_read() as connection:
+        simple = connection.SimpleQueue(queue)
+        first, second = simple.get(timeout=5), simple.get(timeout=5)
+        simple.close()
     assert first.headers["id"] == str(sent.event_id)
     assert first.headers["task"] == "tests.testapp.tasks.record_effect"
     assert first.headers["event_id"] == str(sent.event_id)
@@ -156,8 +149,7 @@ def test_celery_publisher_reports_an_unreachable_broker():
 
     app = Celery("unreachable", set_as_current=False, broker="amqp://guest:guest@127.0.0.1:1//")
     app.conf.broker_connection_timeout = 1
-    publisher = CeleryPublisher()
-    publisher._app = lambda: app
+    publisher = CeleryPublisher(app=app)
     with pytest.raises(BrokerUnavailable, match="unreachable"):
         publisher.publish(message())
 
