@@ -151,6 +151,7 @@ class Relay:
         self.rng = rng or random.Random()
         self.allow_in_transaction = allow_in_transaction
         self.publishers = PublisherSet()
+        self._publisher_names: dict[int, str] = {}
 
     def __enter__(self) -> Relay:
         return self
@@ -177,6 +178,7 @@ class Relay:
         if not events:
             return RelayStats()
         deadline = time.monotonic() + self.lease_seconds * _LEASE_BUDGET
+        self._publisher_names.clear()
         outcomes = self._publish(events, deadline)
         return self._ack(events, outcomes)
 
@@ -320,6 +322,8 @@ class Relay:
                 if event.key:
                     wave_keys.add(event.key)
             for publisher, group in self._by_publisher(wave, outcomes):
+                for event in group:
+                    self._publisher_names[event.pk] = type(publisher).__name__
                 for event, error in zip(group, self._send(publisher, group), strict=True):
                     outcomes[event.pk] = error
                     if error is not None and event.key:
@@ -424,7 +428,7 @@ class Relay:
         for event in sent:
             event.status, event.published_at = OutboxStatus.PUBLISHED, now
             event.locked_until = event.relay_token = None
-            publisher = type(self.publishers.for_topic(event.topic)).__name__
+            publisher = self._publisher_names.pop(event.pk, "")
             signals.event_published.send(sender=OutboxEvent, event=event, publisher=publisher)
         stats.published = len(sent)
         for event, error in failures:

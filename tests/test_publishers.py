@@ -365,3 +365,25 @@ def test_relay_loses_nothing_while_rabbitmq_is_cut_off(rabbit):
         str(e.event_id) for e in before + during
     ]
     assert rabbit["drain"](1, timeout=0.5) == []  # nothing twice
+
+
+def test_amqp_keeps_no_confirm_state_between_batches_and_connections(rabbit):
+    publisher = AMQPPublisher(url=rabbit["url"], exchange=rabbit["exchange"])
+    for _ in range(2):
+        assert publisher.publish_many([message(), message(), message()]) == [None] * 3
+        assert publisher._pending == set() and publisher._settled == {}
+        publisher.close()  # the next batch reconnects, and delivery tags restart at 1
+    assert len(rabbit["drain"](6)) == 6
+
+
+def test_amqp_confirms_settle_only_awaited_tags():
+    publisher = AMQPPublisher(url="amqp://unused//", exchange="x")
+    publisher._pending = {3, 4, 5}
+    publisher._on_ack(4, True)  # "everything up to 4": only 3 and 4 were awaited
+    publisher._on_nack(5, False)
+    publisher._on_ack(9, False)  # not awaited: ignored
+    assert publisher._settled == {3: True, 4: True, 5: False}
+    assert publisher._pending == set()
+    assert isinstance(publisher._outcome(5, message()), PublishError)
+    assert publisher._outcome(4, message()) is None
+    assert "no publisher confirm" in str(publisher._outcome(7, message()))

@@ -60,6 +60,9 @@ class AMQPPublisher(Publisher):
         self._connection: Any = None
         self._channel: Any = None
         self._next_tag = 0
+        # Delivery tags awaiting a confirm, and the verdicts of those that got one. Only
+        # awaited tags are recorded, so a late or "multiple" ack never piles up entries.
+        self._pending: set[int] = set()
         self._settled: dict[int, bool] = {}
         self._returned: dict[str, str] = {}
 
@@ -82,7 +85,11 @@ class AMQPPublisher(Publisher):
         except BaseException:
             connection.close()
             raise
+        # Tags restart at 1 on a new channel: forget everything about the old one.
         self._connection, self._channel, self._next_tag = connection, channel, 0
+        self._pending.clear()
+        self._settled.clear()
+        self._returned.clear()
 
     def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
@@ -94,9 +101,13 @@ class AMQPPublisher(Publisher):
     # --- confirms -----------------------------------------------------------------------------
 
     def _settle(self, delivery_tag: int, multiple: bool, ok: bool) -> None:
-        tags = range(1, delivery_tag + 1) if multiple else (delivery_tag,)
+        if multiple:
+            tags = [tag for tag in self._pending if tag <= delivery_tag]
+        else:
+            tags = [delivery_tag] if delivery_tag in self._pending else []
         for tag in tags:
-            self._settled.setdefault(tag, ok)
+            self._pending.discard(tag)
+            self._settled[tag] = ok
 
     def _on_ack(self, delivery_tag: int, multiple: bool) -> None:
         self._settle(delivery_tag, multiple, True)
@@ -165,12 +176,13 @@ class AMQPPublisher(Publisher):
                 mandatory=self.mandatory,
             )
             self._next_tag += 1
+            self._pending.add(self._next_tag)
             sent.append((self._next_tag, message))
         return sent
 
     def _await_confirms(self, sent: list[tuple[int, OutboxMessage]]) -> None:
         deadline = time.monotonic() + self.confirm_timeout
-        while any(tag not in self._settled for tag, _ in sent):
+        while any(tag in self._pending for tag, _ in sent):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -180,6 +192,7 @@ class AMQPPublisher(Publisher):
                 return
 
     def _outcome(self, tag: int, message: OutboxMessage) -> BaseException | None:
+        self._pending.discard(tag)  # a confirm still missing now counts as a failure
         ok = self._settled.pop(tag, None)
         returned = self._returned.pop(str(message.event_id), None)
         if returned is not None:
