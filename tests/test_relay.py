@@ -250,3 +250,40 @@ def test_postgresql_ignores_open_transactions_of_other_databases():
         assert [m.event_id for m in broker.snapshot()] == [event.event_id]
     finally:
         elsewhere.close()
+
+
+def test_an_idle_relay_loop_wakes_on_a_publishing_commit():
+    if not is_postgresql():
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    import threading
+
+    from django.db import connections
+
+    stop = threading.Event()
+    passes = []
+    idle = threading.Event()
+
+    def on_pass(stats):
+        passes.append(stats)
+        idle.set()
+
+    def loop():
+        try:
+            with Relay() as relay:
+                relay.run_forever(stop, poll_seconds=300, on_pass=on_pass)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        assert idle.wait(30)  # the first pass found nothing; the loop now waits for 300 s
+        event = publish_committed()
+        deadline = timezone.now() + timedelta(seconds=60)
+        while not broker.snapshot() and timezone.now() < deadline:
+            stop.wait(0.05)
+        assert [m.event_id for m in broker.snapshot()] == [event.event_id]
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive()

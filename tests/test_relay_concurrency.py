@@ -80,3 +80,34 @@ def test_relays_side_by_side_keep_per_key_order_with_failures():
     for key in keys:
         sequence = [m.payload["n"] for m in messages if m.key == key]
         assert sequence == sorted(sequence), (key, sequence)
+
+
+def test_sweeps_running_at_once_delete_each_row_once():
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from django_idempotency.models import ProcessedMessage
+    from django_idempotency.sweeps import sweep_processed_messages
+
+    old = timezone.now() - timedelta(days=365)
+    ProcessedMessage.objects.bulk_create(
+        ProcessedMessage(consumer="c", message_id=str(n), processed_at=old) for n in range(300)
+    )
+    counts: list[int] = []
+    start = threading.Barrier(3)
+
+    def sweep() -> None:
+        try:
+            start.wait(30)
+            counts.append(sweep_processed_messages(batch_size=25))
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=sweep) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sum(counts) == 300 and len(counts) == 3
+    assert not ProcessedMessage.objects.exists()
