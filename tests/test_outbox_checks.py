@@ -57,6 +57,7 @@ def test_not_a_dict_is_left_to_e001():
         assert checks.check_consumers() == []
 
 
+@pytest.mark.django_db
 def test_call_command_check_fails_on_a_bad_outbox_setting():
     with settings_with(OUTBOX_BATCH_SIZE=0), pytest.raises(SystemCheckError, match="E022"):
         call_command("check")
