@@ -11,6 +11,8 @@ Merge :data:`BEAT_SCHEDULE` into ``CELERY_BEAT_SCHEDULE``; django-celery-beat's
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -63,18 +65,62 @@ def sweep_processed_messages(batch_size: int | None = None) -> int:
     return sweep(batch_size=batch_size)
 
 
-def kick_relay(using: str) -> None:
-    """The default ``OUTBOX_KICK``: queue a relay task right after a publishing commit.
+class _RelayKicker:
+    """Queues relay tasks from a daemon thread, so a commit never waits on the broker.
 
-    ``retry=False`` so a broker outage costs the request nothing but a log line; the relay
-    entry in :data:`BEAT_SCHEDULE` sends the event later. ``expires`` drops kicks that queued up
-    while no worker ran: one relay pass serves them all.
+    Kicks that arrive while a task is being queued collapse into one more: a burst of commits
+    costs two relay tasks, not one per commit. The thread starts on first use in each process
+    (after a fork too); a kick lost at exit is picked up by the periodic relay.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._wanted = threading.Event()
+        #: Set while the thread waits for a kick (tests wait on it).
+        self.idle = threading.Event()
+
+    def kick(self) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._wanted, self.idle = threading.Event(), threading.Event()
+                thread = threading.Thread(
+                    target=self._run, args=(self._wanted, self.idle), daemon=True
+                )
+                thread.name = "django-idempotency-relay-kick"
+                thread.start()
+            self.idle.clear()
+            self._wanted.set()
+
+    @staticmethod
+    def _run(wanted: threading.Event, idle: threading.Event) -> None:
+        while True:
+            if not wanted.is_set():
+                idle.set()
+            wanted.wait()
+            wanted.clear()
+            try:
+                relay_outbox.apply_async(  # type: ignore[attr-defined]
+                    retry=False, expires=max(conf.OUTBOX_RELAY_LEASE_SECONDS, 60)
+                )
+            except Exception:
+                logger.warning("outbox relay kick failed", exc_info=True)
+
+
+_kicker = _RelayKicker()
+
+
+def kick_relay(using: str) -> None:
+    """The default ``OUTBOX_KICK``: queue a relay task soon after a publishing commit.
+
+    ``retry=False``: a broker outage costs a log line, and the relay entry of
+    :data:`BEAT_SCHEDULE` sends the event later. ``expires`` drops kicks that queued up while no
+    worker ran: one relay pass serves them all.
     """
     if _shared_task is None:  # pragma: no cover
         return
-    relay_outbox.apply_async(  # type: ignore[attr-defined]
-        retry=False, expires=max(conf.OUTBOX_RELAY_LEASE_SECONDS, 60)
-    )
+    _kicker.kick()
 
 
 #: Ready to merge: ``CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE, ...}``. Seconds between runs.

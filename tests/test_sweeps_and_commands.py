@@ -142,11 +142,53 @@ def test_beat_schedule_names_registered_tasks():
         assert entry["schedule"] > 0
 
 
-def test_kick_relay_queues_a_relay_task(monkeypatch):
+def test_kick_relay_queues_relay_tasks_off_thread_and_coalesces_bursts(monkeypatch):
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
     sent = []
-    monkeypatch.setattr(tasks.relay_outbox, "apply_async", lambda **kw: sent.append(kw))
+
+    def slow_apply_async(**options):
+        sent.append((threading.current_thread().name, options))
+        entered.set()
+        assert release.wait(30)
+
+    monkeypatch.setattr(tasks.relay_outbox, "apply_async", slow_apply_async)
     tasks.kick_relay("default")
-    assert sent == [{"retry": False, "expires": 60.0}]
+    assert entered.wait(30)  # the first kick is being queued (slowly: a broker timing out)
+    for _ in range(20):
+        tasks.kick_relay("default")  # the commits are not held up meanwhile
+    release.set()
+    assert wait_until_idle(tasks._kicker)
+    assert len(sent) == 2  # the burst collapsed into one more relay task
+    assert sent[0] == ("django-idempotency-relay-kick", {"retry": False, "expires": 60.0})
+
+
+def test_a_failing_kick_is_logged_and_the_kicker_keeps_going(monkeypatch, caplog):
+    calls = []
+
+    def broken(**options):
+        calls.append(options)
+        raise ConnectionError("broker down")
+
+    monkeypatch.setattr(tasks.relay_outbox, "apply_async", broken)
+    with caplog.at_level("WARNING", logger="django_idempotency.tasks"):
+        tasks.kick_relay("default")
+        assert wait_until_idle(tasks._kicker, calls=calls, count=1)
+        tasks.kick_relay("default")
+        assert wait_until_idle(tasks._kicker, calls=calls, count=2)
+    assert "outbox relay kick failed" in caplog.text
+
+
+def wait_until_idle(kicker, *, calls=None, count=0):
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if kicker.idle.is_set() and (calls is None or len(calls) >= count):
+            return True
+        time.sleep(0.01)
+    return False
 
 
 # --- commands -----------------------------------------------------------------------------------
