@@ -212,8 +212,12 @@ class OutboxEvent(models.Model):
             models.Index(
                 fields=["status", "transaction_id", "id"], name="django_idem_outbox_relay_idx"
             ),
-            # The per-key order check: earlier unpublished events with the same key.
-            models.Index(fields=["key", "transaction_id", "id"], name="django_idem_outbox_key_idx"),
+            # The per-key order check: earlier unpublished events with the same key, without
+            # reading the key's published history.
+            models.Index(
+                fields=["key", "status", "transaction_id", "id"],
+                name="django_idem_outbox_key_idx",
+            ),
             # The sweep of published events past OUTBOX_RETENTION_SECONDS.
             models.Index(fields=["status", "published_at"], name="django_idem_outbox_sweep_idx"),
         ]

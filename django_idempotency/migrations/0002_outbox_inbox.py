@@ -52,7 +52,7 @@ class Migration(migrations.Migration):
             options={
                 'verbose_name': 'outbox event',
                 'verbose_name_plural': 'outbox events',
-                'indexes': [models.Index(fields=['status', 'transaction_id', 'id'], name='django_idem_outbox_relay_idx'), models.Index(fields=['key', 'transaction_id', 'id'], name='django_idem_outbox_key_idx'), models.Index(fields=['status', 'published_at'], name='django_idem_outbox_sweep_idx')],
+                'indexes': [models.Index(fields=['status', 'transaction_id', 'id'], name='django_idem_outbox_relay_idx'), models.Index(fields=['key', 'status', 'transaction_id', 'id'], name='django_idem_outbox_key_idx'), models.Index(fields=['status', 'published_at'], name='django_idem_outbox_sweep_idx')],
                 'constraints': [models.UniqueConstraint(fields=('event_id',), name='django_idempotency_outbox_event_id_uniq')],
             },
         ),
