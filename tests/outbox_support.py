@@ -23,6 +23,14 @@ from django_idempotency.publishers.memory import broker
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def settings_with(**values: Any) -> Any:
+    """``override_settings`` for some IDEMPOTENCY keys, keeping the test settings' others."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    return override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, **values})
+
+
 def publish_committed(
     topic: str = "orders.paid", payload: Any = None, **kwargs: Any
 ) -> OutboxEvent:

@@ -9,7 +9,7 @@ from django.db import connection
 
 from django_idempotency import checks
 from django_idempotency.inbox import idempotent_consumer
-from tests.test_outbox_publish import settings_with
+from tests.outbox_support import settings_with
 
 
 def ids(messages):

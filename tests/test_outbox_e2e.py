@@ -12,8 +12,7 @@ from django_idempotency.inbox import consume_once
 from django_idempotency.models import OutboxEvent, ProcessedMessage
 from django_idempotency.outbox import publish
 from django_idempotency.relay import Relay
-from tests.outbox_support import database_env, spawned, wait_for
-from tests.test_outbox_publish import settings_with
+from tests.outbox_support import database_env, settings_with, spawned, wait_for
 from tests.testapp.models import Widget
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -2,7 +2,6 @@ import uuid
 
 import pytest
 from django.db import connection, transaction
-from django.test import override_settings
 
 from django_idempotency import signals
 from django_idempotency.exceptions import DuplicateEventId, TransactionRequired, UnroutableTopic
@@ -10,7 +9,12 @@ from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import NOTIFY_CHANNEL, publish
 from django_idempotency.publishers.memory import broker
 from django_idempotency.relay import Relay
-from tests.outbox_support import is_postgresql, publish_committed, published_ids
+from tests.outbox_support import (
+    is_postgresql,
+    publish_committed,
+    published_ids,
+    settings_with,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -31,12 +35,6 @@ def clean():
     kicks.clear()
     yield
     broker.clear()
-
-
-def settings_with(**values):
-    from django.conf import settings
-
-    return override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, **values})
 
 
 def test_publish_outside_a_transaction_is_refused():

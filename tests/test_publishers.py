@@ -23,9 +23,8 @@ from django_idempotency.publishers.log import LoggingPublisher
 from django_idempotency.publishers.memory import MemoryPublisher
 from django_idempotency.publishers.webhook import WebhookPublisher, sign, verify_signature
 from django_idempotency.relay import Relay
-from tests.outbox_support import publish_committed
+from tests.outbox_support import publish_committed, settings_with
 from tests.proxy import tcp_proxy
-from tests.test_outbox_publish import settings_with
 
 
 def message(topic="orders.paid", payload=None, key="order-1", **headers):

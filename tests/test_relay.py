@@ -12,8 +12,7 @@ from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import discard, publish, retry_dead
 from django_idempotency.publishers.memory import broker
 from django_idempotency.relay import Relay, backoff_delay
-from tests.outbox_support import HeldTransaction, is_postgresql, publish_committed
-from tests.test_outbox_publish import settings_with
+from tests.outbox_support import HeldTransaction, is_postgresql, publish_committed, settings_with
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,7 +8,7 @@ from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import publish
 from django_idempotency.publishers.memory import broker
 from django_idempotency.relay import Relay
-from tests.test_outbox_publish import settings_with
+from tests.outbox_support import settings_with
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.concurrency]
 

@@ -14,8 +14,7 @@ from django_idempotency.sweeps import (
     sweep_processed_messages,
     sweep_published_events,
 )
-from tests.outbox_support import publish_committed
-from tests.test_outbox_publish import settings_with
+from tests.outbox_support import publish_committed, settings_with
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
