@@ -286,3 +286,25 @@ def test_an_idle_relay_loop_wakes_on_a_publishing_commit():
         stop.set()
         thread.join(30)
     assert not thread.is_alive()
+
+
+class ExplodingPublisher:
+    """Stands in for a publisher whose batch call itself breaks."""
+
+    def __init__(self, results=None):
+        self.results = results
+
+    def publish_many(self, messages):
+        if self.results is None:
+            raise RuntimeError("publisher bug")
+        return self.results
+
+
+@pytest.mark.parametrize(
+    ("publisher", "error"),
+    [(ExplodingPublisher(), "publisher bug"), (ExplodingPublisher([None]), "wrong count")],
+)
+def test_a_publisher_that_breaks_fails_its_whole_group(publisher, error):
+    events = [publish_committed(payload={"n": n}) for n in range(2)]
+    results = Relay._send(publisher, [OutboxEvent.objects.get(pk=e.pk) for e in events])
+    assert len(results) == 2 and all(error in str(result) for result in results)
