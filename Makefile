@@ -25,7 +25,7 @@ DEMO_PORT ?= 8000
 DEMO_LEASE_SECONDS ?= 5
 DEMO_SERVE := $(VENV)/bin/python -m gunicorn --config python:demo_project.gunicorn_conf demo_project.wsgi
 
-.PHONY: demo tour test lint typecheck migrations-check test-django52 test-django6 docs clean
+.PHONY: demo tour test lint typecheck migrations-check test-django52 test-django6 docs clean bench-relay
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,10 @@ test-django6: $(VENV_DJANGO6)/.installed
 		TEST_DATABASE=$$db COVERAGE_FILE=.coverage.dj6.$$db $(VENV_DJANGO6)/bin/$(PYTEST) \
 			--cov=django_idempotency --cov-report= -m "not reliability" || exit 1; \
 	done
+
+## bench-relay: outbox relay events/s on PostgreSQL (POSTGRES_URL; AMQP_URL for the AMQP rows)
+bench-relay: $(VENV)/.installed
+	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/relay_throughput.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_DJANGO6) .coverage* site

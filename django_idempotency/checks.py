@@ -9,6 +9,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import DEFAULTS, SENSITIVE_HEADERS
@@ -357,3 +358,249 @@ def check_operations(app_configs: Sequence[Any] | None = None, **kwargs: Any) ->
                 )
             )
     return messages
+
+
+# --- Layers 2 and 3: outbox, consumers, sweeps -----------------------------------------------
+
+E020 = "django_idempotency.E020"  # OUTBOX_PUBLISHERS not a dict of pattern -> publisher spec
+E021 = "django_idempotency.E021"  # a publisher backend does not import or is not a Publisher
+E022 = "django_idempotency.E022"  # a count setting is not a positive integer
+E023 = "django_idempotency.E023"  # a duration setting is not a positive number
+E024 = "django_idempotency.E024"  # OUTBOX_BACKOFF_MAX_SECONDS below OUTBOX_BACKOFF_BASE_SECONDS
+E025 = "django_idempotency.E025"  # OUTBOX_KICK does not import or is not callable
+E026 = "django_idempotency.E026"  # an outbox boolean setting is not a bool
+W020 = "django_idempotency.W020"  # INBOX_RETENTION shorter than the redelivery horizon
+W021 = "django_idempotency.W021"  # an idempotent consumer task without acks_late
+W022 = "django_idempotency.W022"  # database without SELECT ... FOR UPDATE SKIP LOCKED
+
+_OUTBOX_COUNTS = ("OUTBOX_BATCH_SIZE", "OUTBOX_MAX_ATTEMPTS", "SWEEP_BATCH_SIZE")
+_OUTBOX_DURATIONS = (
+    "OUTBOX_RELAY_LEASE_SECONDS",
+    "OUTBOX_BACKOFF_BASE_SECONDS",
+    "OUTBOX_BACKOFF_MAX_SECONDS",
+    "OUTBOX_POLL_SECONDS",
+    "OUTBOX_RETENTION_SECONDS",
+    "INBOX_RETENTION_SECONDS",
+)
+_OUTBOX_BOOLEANS = ("OUTBOX_REQUIRE_ATOMIC", "OUTBOX_NOTIFY")
+#: Redis and SQS redeliver an unacknowledged message after this long (their default).
+_DEFAULT_VISIBILITY_TIMEOUT = 3600
+
+
+def _merged() -> dict[str, Any] | None:
+    user = getattr(settings, "IDEMPOTENCY", {})
+    return {**DEFAULTS, **user} if isinstance(user, dict) else None
+
+
+@register(Tags.compatibility)
+def check_outbox_settings(
+    app_configs: Sequence[Any] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    merged = _merged()
+    if merged is None:
+        return []  # E001 already says IDEMPOTENCY is not a dict
+    errors = _check_publishers(merged["OUTBOX_PUBLISHERS"])
+    for name in _OUTBOX_COUNTS:
+        if not _is_int(merged[name]) or merged[name] <= 0:
+            errors.append(
+                Error(
+                    f"IDEMPOTENCY[{name!r}] must be a positive integer, not {merged[name]!r}.",
+                    hint=f"Remove it to use the default, {DEFAULTS[name]!r}.",
+                    id=E022,
+                )
+            )
+    for name in _OUTBOX_DURATIONS:
+        if not _is_number(merged[name]) or merged[name] <= 0:
+            errors.append(
+                Error(
+                    f"IDEMPOTENCY[{name!r}] must be a positive number of seconds, "
+                    f"not {merged[name]!r}.",
+                    hint=f"Remove it to use the default, {DEFAULTS[name]!r}.",
+                    id=E023,
+                )
+            )
+    base, cap = merged["OUTBOX_BACKOFF_BASE_SECONDS"], merged["OUTBOX_BACKOFF_MAX_SECONDS"]
+    if _is_number(base) and _is_number(cap) and 0 < cap < base:
+        errors.append(
+            Error(
+                f"IDEMPOTENCY['OUTBOX_BACKOFF_MAX_SECONDS'] ({cap}) is below "
+                f"OUTBOX_BACKOFF_BASE_SECONDS ({base}).",
+                hint="The cap must be at least the first delay.",
+                id=E024,
+            )
+        )
+    errors += _check_kick(merged["OUTBOX_KICK"])
+    for name in _OUTBOX_BOOLEANS:
+        if not isinstance(merged[name], bool):
+            errors.append(
+                Error(f"IDEMPOTENCY[{name!r}] must be True or False.", hint=None, id=E026)
+            )
+    return errors
+
+
+def _check_publishers(routes: Any) -> list[CheckMessage]:
+    from django_idempotency.publishers.base import Publisher
+    from django_idempotency.publishers.routing import parse_spec
+
+    if not isinstance(routes, dict) or not all(isinstance(name, str) for name in routes):
+        return [
+            Error(
+                "IDEMPOTENCY['OUTBOX_PUBLISHERS'] must be a dict of topic pattern -> publisher.",
+                hint="For example {'*': 'django_idempotency.publishers.celery.CeleryPublisher'}.",
+                id=E020,
+            )
+        ]
+    errors: list[CheckMessage] = []
+    for pattern, spec in routes.items():
+        try:
+            route = parse_spec(pattern, spec)
+        except ImproperlyConfigured as exc:
+            errors.append(Error(str(exc), hint="See docs/outbox.md, 'Publishers'.", id=E020))
+            continue
+        try:
+            backend = import_string(route.backend)
+        except ImportError as exc:
+            errors.append(
+                Error(
+                    f"IDEMPOTENCY['OUTBOX_PUBLISHERS'][{pattern!r}] = {route.backend!r} does "
+                    f"not import: {exc}.",
+                    hint="Install the publisher's extra (celery, amqp, webhook) or fix the path.",
+                    id=E021,
+                )
+            )
+            continue
+        if not (isinstance(backend, type) and issubclass(backend, Publisher)):
+            errors.append(
+                Error(
+                    f"IDEMPOTENCY['OUTBOX_PUBLISHERS'][{pattern!r}] = {route.backend!r} is not "
+                    "a Publisher subclass.",
+                    hint="Subclass django_idempotency.publishers.Publisher.",
+                    id=E021,
+                )
+            )
+    return errors
+
+
+def _check_kick(value: Any) -> list[CheckMessage]:
+    if value is None:
+        return []
+    try:
+        kick = import_string(value) if isinstance(value, str) else value
+    except ImportError as exc:
+        kick, problem = None, f"does not import: {exc}"
+    else:
+        problem = "is not callable"
+    if callable(kick):
+        return []
+    return [
+        Error(
+            f"IDEMPOTENCY['OUTBOX_KICK'] = {value!r} {problem}.",
+            hint="Use the dotted path of a callable taking the database alias, or None.",
+            id=E025,
+        )
+    ]
+
+
+@register(Tags.compatibility)
+def check_consumers(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """Idempotent Celery tasks: acks_late, and markers kept as long as a redelivery can come.
+
+    Reads the current Celery app, the one ``manage.py`` and the worker load from the project.
+    """
+    merged = _merged()
+    try:
+        from celery import current_app
+    except ImportError:  # pragma: no cover - exercised only without Celery installed
+        return []
+    if merged is None:
+        return []
+    try:
+        registered = list(current_app.tasks.values())
+    except RuntimeError:  # an app with autofinalize=False, not finalized yet
+        registered = []
+    tasks = [
+        task
+        for task in registered
+        if getattr(getattr(task, "run", None), "__idempotent_consumer__", False)
+    ]
+    warnings: list[CheckMessage] = []
+    for task in tasks:
+        if not task.acks_late:
+            warnings.append(
+                Warning(
+                    f"Idempotent consumer task {task.name!r} runs without acks_late.",
+                    hint=(
+                        "Use @shared_task(acks_late=True) (or task_acks_late = True): "
+                        "otherwise a worker that dies mid-task has already acknowledged the "
+                        "message and it is lost, not redelivered."
+                    ),
+                    id=W021,
+                )
+            )
+    horizon, source = _redelivery_horizon(current_app, tasks, merged)
+    retention = merged["INBOX_RETENTION_SECONDS"]
+    if _is_number(retention) and retention < horizon:
+        warnings.append(
+            Warning(
+                f"IDEMPOTENCY['INBOX_RETENTION_SECONDS'] ({retention}) is shorter than "
+                f"{source} ({horizon:g} s).",
+                hint=(
+                    "A message redelivered after its marker was swept runs again. Keep "
+                    "INBOX_RETENTION_SECONDS above the longest time a message can come back."
+                ),
+                id=W020,
+            )
+        )
+    return warnings
+
+
+def _redelivery_horizon(app: Any, tasks: list[Any], merged: dict[str, Any]) -> tuple[float, str]:
+    """The longest a message may come back after it was first handled, and what sets it."""
+    candidates: list[tuple[float, str]] = [(0.0, "")]
+    options = app.conf.broker_transport_options or {}
+    broker = str(app.conf.broker_url or "")
+    timeout: Any = options.get("visibility_timeout")
+    if timeout is None and broker.split("://")[0] in ("redis", "rediss", "sqs"):
+        timeout = _DEFAULT_VISIBILITY_TIMEOUT
+    if _is_number(timeout):
+        candidates.append((float(timeout), "the broker's visibility_timeout"))
+    for task in tasks:
+        retries = task.max_retries or 0
+        delay = task.default_retry_delay or 0
+        candidates.append((float(retries * delay), f"the retry span of {task.name!r}"))
+    base, cap, attempts = (
+        merged["OUTBOX_BACKOFF_BASE_SECONDS"],
+        merged["OUTBOX_BACKOFF_MAX_SECONDS"],
+        merged["OUTBOX_MAX_ATTEMPTS"],
+    )
+    if _is_number(base) and _is_number(cap) and _is_int(attempts):
+        span = sum(min(cap, base * 2 ** min(n, 62)) for n in range(max(attempts - 1, 0)))
+        candidates.append((float(span), "the outbox's retry span (OUTBOX_BACKOFF_*)"))
+    return max(candidates)
+
+
+@register(Tags.database)
+def check_skip_locked(
+    app_configs: Sequence[Any] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Without SKIP LOCKED, relays running side by side queue on each other's rows."""
+    from django.db import connections, router
+
+    from django_idempotency.models import OutboxEvent
+
+    alias = router.db_for_write(OutboxEvent)
+    if alias not in (kwargs.get("databases") or ()):
+        return []
+    features = connections[alias].features
+    if features.has_select_for_update_skip_locked or not features.has_select_for_update:
+        return []
+    return [
+        Warning(
+            f"Database {alias!r} has no SELECT ... FOR UPDATE SKIP LOCKED.",
+            hint=(
+                "Outbox relays stay correct but wait on each other; run one relay, or use "
+                "PostgreSQL, MariaDB 10.6+ or MySQL 8."
+            ),
+            id=W022,
+        )
+    ]

@@ -37,6 +37,22 @@ DEFAULTS: dict[str, Any] = {
     "REGISTER_ADMIN": True,
     "METRICS": True,
     "TRACING": True,
+    # Layer 3: transactional outbox
+    "OUTBOX_PUBLISHERS": {},
+    "OUTBOX_REQUIRE_ATOMIC": True,
+    "OUTBOX_KICK": "django_idempotency.tasks.kick_relay",
+    "OUTBOX_NOTIFY": True,
+    "OUTBOX_BATCH_SIZE": 100,
+    "OUTBOX_RELAY_LEASE_SECONDS": 60,
+    "OUTBOX_MAX_ATTEMPTS": 10,
+    "OUTBOX_BACKOFF_BASE_SECONDS": 1,
+    "OUTBOX_BACKOFF_MAX_SECONDS": 600,
+    "OUTBOX_POLL_SECONDS": 5,
+    "OUTBOX_RETENTION_SECONDS": 7 * 86400,
+    # Layer 2: idempotent consumers
+    "INBOX_RETENTION_SECONDS": 14 * 86400,
+    # Sweeps of all three layers
+    "SWEEP_BATCH_SIZE": 1000,
 }
 
 #: Response headers never stored, whatever ``STORED_RESPONSE_HEADERS`` says: replaying them
@@ -159,6 +175,64 @@ class IdempotencySettings:
     @property
     def TRACING(self) -> bool:
         return bool(self.get("TRACING"))
+
+    @property
+    def OUTBOX_PUBLISHERS(self) -> Mapping[str, Any]:
+        """Topic pattern -> a dotted path, or ``{"BACKEND": path, "OPTIONS": {...}}``."""
+        routes: Mapping[str, Any] = self.get("OUTBOX_PUBLISHERS")
+        return routes
+
+    @property
+    def OUTBOX_REQUIRE_ATOMIC(self) -> bool:
+        return bool(self.get("OUTBOX_REQUIRE_ATOMIC"))
+
+    @property
+    def OUTBOX_KICK(self) -> Callable[[str], None] | None:
+        value = self.get("OUTBOX_KICK")
+        if value is None:
+            return None
+        kick: Callable[[str], None] = import_setting("OUTBOX_KICK", value)
+        return kick
+
+    @property
+    def OUTBOX_NOTIFY(self) -> bool:
+        return bool(self.get("OUTBOX_NOTIFY"))
+
+    @property
+    def OUTBOX_BATCH_SIZE(self) -> int:
+        return int(self.get("OUTBOX_BATCH_SIZE"))
+
+    @property
+    def OUTBOX_RELAY_LEASE_SECONDS(self) -> float:
+        return float(self.get("OUTBOX_RELAY_LEASE_SECONDS"))
+
+    @property
+    def OUTBOX_MAX_ATTEMPTS(self) -> int:
+        return int(self.get("OUTBOX_MAX_ATTEMPTS"))
+
+    @property
+    def OUTBOX_BACKOFF_BASE_SECONDS(self) -> float:
+        return float(self.get("OUTBOX_BACKOFF_BASE_SECONDS"))
+
+    @property
+    def OUTBOX_BACKOFF_MAX_SECONDS(self) -> float:
+        return float(self.get("OUTBOX_BACKOFF_MAX_SECONDS"))
+
+    @property
+    def OUTBOX_POLL_SECONDS(self) -> float:
+        return float(self.get("OUTBOX_POLL_SECONDS"))
+
+    @property
+    def OUTBOX_RETENTION_SECONDS(self) -> float:
+        return float(self.get("OUTBOX_RETENTION_SECONDS"))
+
+    @property
+    def INBOX_RETENTION_SECONDS(self) -> float:
+        return float(self.get("INBOX_RETENTION_SECONDS"))
+
+    @property
+    def SWEEP_BATCH_SIZE(self) -> int:
+        return int(self.get("SWEEP_BATCH_SIZE"))
 
 
 conf = IdempotencySettings()

@@ -128,3 +128,35 @@ class StoreUnavailable(IdempotencyHTTPError):
     def __init__(self, wait: int = 1, detail: Any = None) -> None:
         super().__init__(detail)
         self.wait = wait
+
+
+# --- Layers 2 and 3: outbox, publishers, consumers --------------------------------------------
+
+
+class OutboxError(IdempotencyError):
+    """Base of the outbox's errors."""
+
+
+class TransactionRequired(OutboxError):
+    """``publish()`` was called outside ``transaction.atomic``.
+
+    Outside a transaction the event would commit on its own, apart from the business writes it
+    describes, which is exactly the gap the outbox exists to close.
+    """
+
+
+class UnroutableTopic(OutboxError, IdempotencyConfigurationError):
+    """No pattern in ``OUTBOX_PUBLISHERS`` matches the topic."""
+
+
+class DuplicateEventId(OutboxError):
+    """An event with this ``event_id`` already exists; the transaction must roll back."""
+
+
+class PublishError(OutboxError):
+    """A publisher could not hand one event to its broker; the relay retries it later."""
+
+
+class BrokerUnavailable(PublishError):
+    """The broker cannot be reached at all: the relay stops this batch instead of trying each
+    remaining event against a dead connection."""

@@ -1,9 +1,18 @@
 from __future__ import annotations
 
+import uuid
+
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency.querysets import IdempotencyRecordQuerySet, RecordStatus
+from django_idempotency.querysets import (
+    IdempotencyRecordQuerySet,
+    OutboxEventQuerySet,
+    OutboxStatus,
+    ProcessedMessageQuerySet,
+    RecordStatus,
+)
 
 
 class IdempotencyRecord(models.Model):
@@ -101,3 +110,154 @@ class IdempotencyRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.scope} / {self.key} ({self.status})"
+
+
+class OutboxEvent(models.Model):
+    """An event written in the business transaction, waiting for the relay to publish it."""
+
+    Status = OutboxStatus
+
+    event_id = models.UUIDField(
+        _("event id"),
+        default=uuid.uuid4,
+        help_text=_(
+            "Stable id of the event, sent as the broker's message id; consumers deduplicate on it."
+        ),
+    )
+    topic = models.CharField(
+        _("topic"),
+        max_length=255,
+        help_text=_("What happened, for example 'orders.paid'; OUTBOX_PUBLISHERS routes on it."),
+    )
+    key = models.CharField(
+        _("key"),
+        max_length=255,
+        blank=True,
+        default="",
+        help_text=_(
+            "Ordering key, for example an aggregate id: events with the same key leave in "
+            "order. Empty for events with no order."
+        ),
+    )
+    payload = models.JSONField(
+        _("payload"), encoder=DjangoJSONEncoder, help_text=_("The event's body, as JSON.")
+    )
+    headers = models.JSONField(
+        _("headers"),
+        encoder=DjangoJSONEncoder,
+        default=dict,
+        blank=True,
+        help_text=_("Extra message headers passed to the publisher."),
+    )
+    status = models.CharField(
+        _("status"),
+        max_length=16,
+        choices=OutboxStatus.choices,
+        default=OutboxStatus.PENDING,
+        help_text=_(
+            "PENDING until published; DEAD after OUTBOX_MAX_ATTEMPTS failures, until retried."
+        ),
+    )
+    attempts = models.PositiveIntegerField(
+        _("attempts"), default=0, help_text=_("How many times publishing this event failed.")
+    )
+    next_attempt_at = models.DateTimeField(
+        _("next attempt at"),
+        help_text=_("The relay leaves the event alone until then (backoff after a failure)."),
+    )
+    locked_until = models.DateTimeField(
+        _("locked until"),
+        null=True,
+        blank=True,
+        help_text=_("Lease of the relay publishing the event; after it another relay may."),
+    )
+    relay_token = models.UUIDField(
+        _("relay token"),
+        null=True,
+        blank=True,
+        help_text=_("Fencing token of the relay holding the lease; only it may mark the event."),
+    )
+    last_error = models.TextField(
+        _("last error"), blank=True, default="", help_text=_("Why the last attempt failed.")
+    )
+    transaction_id = models.BigIntegerField(
+        _("transaction id"),
+        default=0,
+        help_text=_(
+            "PostgreSQL id of the inserting transaction, which orders events and gates the "
+            "relay; 0 on other databases."
+        ),
+    )
+    created_at = models.DateTimeField(_("created at"), help_text=_("When the event was written."))
+    published_at = models.DateTimeField(
+        _("published at"),
+        null=True,
+        blank=True,
+        help_text=_("When the broker accepted the event."),
+    )
+
+    objects = OutboxEventQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("outbox event")
+        verbose_name_plural = _("outbox events")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["event_id"], name="django_idempotency_outbox_event_id_uniq"
+            ),
+        ]
+        indexes = [
+            # The relay's claim walks PENDING events in relay order and stops after a batch,
+            # whatever the backlog; due-ness and leases are checked on the way.
+            models.Index(
+                fields=["status", "transaction_id", "id"], name="django_idem_outbox_relay_idx"
+            ),
+            # The per-key order check: earlier unpublished events with the same key, without
+            # reading the key's published history.
+            models.Index(
+                fields=["key", "status", "transaction_id", "id"],
+                name="django_idem_outbox_key_idx",
+            ),
+            # The sweep of published events past OUTBOX_RETENTION_SECONDS.
+            models.Index(fields=["status", "published_at"], name="django_idem_outbox_sweep_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.topic} {self.event_id} ({self.status})"
+
+
+class ProcessedMessage(models.Model):
+    """A message a consumer has handled: the inbox that makes redeliveries harmless."""
+
+    consumer = models.CharField(
+        _("consumer"),
+        max_length=255,
+        help_text=_("Who handled the message, by default the Celery task's name."),
+    )
+    message_id = models.CharField(
+        _("message id"),
+        max_length=255,
+        help_text=_("The message's id: the outbox event id, or the broker's message id."),
+    )
+    processed_at = models.DateTimeField(
+        _("processed at"),
+        help_text=_("When the handler committed; the sweep deletes it after INBOX_RETENTION."),
+    )
+
+    objects = ProcessedMessageQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("processed message")
+        verbose_name_plural = _("processed messages")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["consumer", "message_id"],
+                name="django_idempotency_consumer_message_uniq",
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["processed_at"], name="django_idem_processed_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.consumer} / {self.message_id}"

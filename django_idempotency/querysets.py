@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
 if TYPE_CHECKING:
-    from django_idempotency.models import IdempotencyRecord  # noqa: F401  (named in a string)
+    from django_idempotency.models import (  # noqa: F401  (named in strings)
+        IdempotencyRecord,
+        OutboxEvent,
+        ProcessedMessage,
+    )
 
 
 class RecordStatus(models.TextChoices):
@@ -54,3 +58,73 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
 
     def live(self, now: datetime | None = None) -> IdempotencyRecordQuerySet:
         return self.exclude(expired_q(now or timezone.now()))
+
+
+# --- Layer 3: the outbox -----------------------------------------------------------------------
+
+
+class OutboxStatus(models.TextChoices):
+    PENDING = "PENDING", "Pending"
+    PUBLISHED = "PUBLISHED", "Published"
+    DEAD = "DEAD", "Dead"
+
+
+#: Statuses that still hold back later events with the same key: a DEAD event keeps its key's
+#: order until someone retries or discards it.
+UNPUBLISHED = (OutboxStatus.PENDING, OutboxStatus.DEAD)
+
+#: The relay's order. ``transaction_id`` is 0 except on PostgreSQL, where it is the inserting
+#: transaction's id, so this is "by transaction, then by insertion" there and plain id order
+#: elsewhere (see relay.py for why).
+RELAY_ORDER = ("transaction_id", "id")
+
+
+def lease_free_q(now: datetime) -> Q:
+    return Q(locked_until__isnull=True) | Q(locked_until__lte=now)
+
+
+def earlier_than_q(transaction_id: Any, pk: Any) -> Q:
+    """Rows before (transaction_id, pk) in relay order; accepts ``OuterRef`` expressions."""
+    return Q(transaction_id__lt=transaction_id) | Q(transaction_id=transaction_id, id__lt=pk)
+
+
+class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
+    def pending(self) -> OutboxEventQuerySet:
+        return self.filter(status=OutboxStatus.PENDING)
+
+    def published(self) -> OutboxEventQuerySet:
+        return self.filter(status=OutboxStatus.PUBLISHED)
+
+    def dead(self) -> OutboxEventQuerySet:
+        return self.filter(status=OutboxStatus.DEAD)
+
+    def unpublished(self) -> OutboxEventQuerySet:
+        return self.filter(status__in=UNPUBLISHED)
+
+    def due(self, now: datetime | None = None) -> OutboxEventQuerySet:
+        """PENDING, its next attempt has come, and no relay holds a lease on it."""
+        now = now or timezone.now()
+        return self.filter(lease_free_q(now), status=OutboxStatus.PENDING, next_attempt_at__lte=now)
+
+    def leased(self, now: datetime | None = None) -> OutboxEventQuerySet:
+        """Claimed by a relay whose lease still runs."""
+        return self.filter(status=OutboxStatus.PENDING, locked_until__gt=now or timezone.now())
+
+    def published_before(self, cutoff: datetime) -> OutboxEventQuerySet:
+        """What the sweep deletes: published longer ago than the retention."""
+        return self.filter(status=OutboxStatus.PUBLISHED, published_at__lt=cutoff)
+
+    def in_relay_order(self) -> OutboxEventQuerySet:
+        return self.order_by(*RELAY_ORDER)
+
+
+# --- Layer 2: idempotent consumers -------------------------------------------------------------
+
+
+class ProcessedMessageQuerySet(models.QuerySet["ProcessedMessage"]):
+    def for_message(self, consumer: str, message_id: str) -> ProcessedMessageQuerySet:
+        return self.filter(consumer=consumer, message_id=message_id)
+
+    def processed_before(self, cutoff: datetime) -> ProcessedMessageQuerySet:
+        """What the sweep deletes: processed longer ago than the retention."""
+        return self.filter(processed_at__lt=cutoff)

@@ -1,7 +1,9 @@
-"""Signals sent by the request state machine; connect to them for metrics or audit.
+"""Signals sent by all three layers; connect to them for metrics, traces or audit.
 
-Every signal is sent with ``sender`` = :class:`~django_idempotency.models.IdempotencyRecord`
-and the keyword arguments listed beside it. ``key`` is the raw key: redact it before logging.
+The request state machine's signals are sent with ``sender`` =
+:class:`~django_idempotency.models.IdempotencyRecord` and the keyword arguments listed beside
+them; ``key`` is the raw key: redact it before logging. The outbox, consumer and sweep signals
+further down name their senders.
 """
 
 from django.dispatch import Signal
@@ -41,3 +43,33 @@ fast_path_failed = Signal()
 #: ``"replayed"``, ``"conflicted"``, ``"mismatched"``, ``"unavailable"`` or ``"error"``),
 #: ``duration`` (seconds, float).
 claim_finished = Signal()
+
+# --- Layer 3: the outbox. Sent with ``sender`` = OutboxEvent. ----------------------------------
+
+#: ``publish()`` wrote an event in the caller's transaction (it may still roll back).
+#: kwargs: ``event`` (the :class:`OutboxEvent`).
+event_enqueued = Signal()
+
+#: The broker accepted an event and the relay marked it PUBLISHED.
+#: kwargs: ``event``, ``publisher`` (the publisher's class name).
+event_published = Signal()
+
+#: Publishing an event failed; it is retried at ``next_attempt_at``, or is DEAD when that is None.
+#: kwargs: ``event``, ``error`` (the exception), ``attempts`` (failures so far),
+#: ``next_attempt_at``.
+publish_failed = Signal()
+
+#: An event failed ``OUTBOX_MAX_ATTEMPTS`` times and waits for a person (``retry_dead``).
+#: kwargs: ``event``, ``error``.
+event_dead = Signal()
+
+# --- Layer 2: idempotent consumers. Sent with ``sender`` = ProcessedMessage. -------------------
+
+#: A consumer received a message it had already processed and skipped it.
+#: kwargs: ``consumer``, ``message_id``.
+duplicate_skipped = Signal()
+
+# --- Sweeps. Sent with ``sender`` = the model swept. --------------------------------------------
+
+#: A sweep deleted rows in one batch. kwargs: ``count``, ``sweep`` (the sweep's name).
+rows_swept = Signal()

@@ -103,6 +103,9 @@ REST_FRAMEWORK = {
 IDEMPOTENCY: dict[str, Any] = {
     "MIDDLEWARE_PATHS": [r"^/plain/middleware/", r"^/async/"],
     "STORED_RESPONSE_HEADERS": ["Content-Type", "Location", "X-Widget-Id"],
+    # Tests relay explicitly; the default kick would queue Celery tasks on a real broker.
+    "OUTBOX_PUBLISHERS": {"*": "django_idempotency.publishers.memory.MemoryPublisher"},
+    "OUTBOX_KICK": None,
 }
 LOGGING = {
     "version": 1,

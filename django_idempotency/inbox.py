@@ -1,0 +1,203 @@
+"""Layer 2: idempotent consumers. A marker row per handled message, in the handler's transaction.
+
+The marker ``(consumer, message_id)`` is inserted first. A redelivered message hits the unique
+constraint and is skipped; a concurrent duplicate waits on the first one's uncommitted row and
+is skipped once it commits (or runs, if it rolled back); a handler that fails rolls its marker
+back with its writes, so the redelivery runs again.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from django.db import IntegrityError, router, transaction
+from django.utils import timezone
+
+from django_idempotency import signals
+from django_idempotency.exceptions import IdempotencyError
+from django_idempotency.models import ProcessedMessage
+
+logger = logging.getLogger(__name__)
+
+#: Namespace of the event ids derived from a consumed message (uuid5).
+DERIVED_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "urn:django-idempotency:derived-event")
+
+#: Celery message header carrying the outbox event id (see publishers/celery.py).
+EVENT_ID_HEADER = "event_id"
+
+_MAX_LENGTH = 255
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(slots=True)
+class Consumption:
+    """One message being handled; false when it is a duplicate to skip::
+
+    with consume_once("billing", message.id) as consumption:
+        if not consumption:
+            return
+        ...
+    """
+
+    consumer: str
+    message_id: str
+    duplicate: bool
+    _sequence: Iterator[int] = field(default_factory=itertools.count, repr=False)
+
+    def __bool__(self) -> bool:
+        return not self.duplicate
+
+    def next_event_id(self) -> uuid.UUID:
+        """The id of the next event this handler publishes: the same on every re-run."""
+        name = f"{self.consumer}\x00{self.message_id}\x00{next(self._sequence)}"
+        return uuid.uuid5(DERIVED_ID_NAMESPACE, name)
+
+
+_current: ContextVar[Consumption | None] = ContextVar(
+    "django_idempotency_consumption", default=None
+)
+
+
+def derived_event_id() -> uuid.UUID | None:
+    """The next derived event id when a message is being handled, else None."""
+    consumption = _current.get()
+    return consumption.next_event_id() if consumption is not None else None
+
+
+def _text(name: str, value: Any) -> str:
+    text = str(value) if isinstance(value, str | uuid.UUID | int) else None
+    if not text or len(text) > _MAX_LENGTH:
+        raise ValueError(
+            f"{name} must be a non-empty string of at most 255 characters, not {value!r}."
+        )
+    return text
+
+
+@contextmanager
+def consume_once(
+    consumer: str, message_id: str | uuid.UUID, *, using: str | None = None
+) -> Iterator[Consumption]:
+    """Handle ``message_id`` at most once per ``consumer`` (see :class:`Consumption`).
+
+    The block runs in a transaction (a savepoint inside an outer one) with the marker inserted
+    first; put the handler's database writes inside it.
+    """
+    consumption = Consumption(
+        consumer=_text("consumer", consumer),
+        message_id=_text("message_id", message_id),
+        duplicate=False,
+    )
+    using = using or router.db_for_write(ProcessedMessage)
+    with transaction.atomic(using=using):
+        if not _insert_marker(consumption, using):
+            consumption.duplicate = True
+            logger.info(
+                "duplicate message skipped",
+                extra={"consumer": consumption.consumer, "message_id": consumption.message_id},
+            )
+            signals.duplicate_skipped.send(
+                sender=ProcessedMessage,
+                consumer=consumption.consumer,
+                message_id=consumption.message_id,
+            )
+            yield consumption
+            return
+        token = _current.set(consumption)
+        try:
+            yield consumption
+        finally:
+            _current.reset(token)
+
+
+def _insert_marker(consumption: Consumption, using: str) -> bool:
+    """False when the marker exists: the message was (or is being) handled already."""
+    try:
+        # A savepoint, so a duplicate's IntegrityError leaves the outer transaction usable.
+        with transaction.atomic(using=using):
+            ProcessedMessage.objects.using(using).create(
+                consumer=consumption.consumer,
+                message_id=consumption.message_id,
+                processed_at=timezone.now(),
+            )
+    except IntegrityError:
+        return False
+    return True
+
+
+def idempotent_consumer(
+    func: F | None = None,
+    *,
+    consumer: str | None = None,
+    message_id_arg: str | None = None,
+    using: str | None = None,
+) -> Any:
+    """Run a Celery task's body once per message. Put it *below* ``@shared_task``::
+
+        @shared_task(acks_late=True)
+        @idempotent_consumer
+        def charge(order_id): ...
+
+    The message id is the ``message_id_arg`` keyword argument when named, else the outbox's
+    ``event_id`` header, else the task id (which the Celery publisher sets to the event id). The
+    consumer name defaults to the task's name. A duplicate returns None without running.
+    """
+
+    def decorate(body: F) -> F:
+        @functools.wraps(body)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            task = _running_task(args)
+            name = consumer or task.name
+            message_id = _message_id(task, kwargs, message_id_arg)
+            with consume_once(name, message_id, using=using) as consumption:
+                if not consumption:
+                    return None
+                return body(*args, **kwargs)
+
+        # checks.py finds idempotent tasks (and their acks_late) by this mark.
+        wrapper.__idempotent_consumer__ = True  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate(func) if func is not None else decorate
+
+
+def _running_task(args: tuple[Any, ...]) -> Any:
+    from celery import Task, current_task
+
+    if args and isinstance(args[0], Task):  # bind=True
+        return args[0]
+    task = current_task._get_current_object() if current_task else None
+    if task is None:
+        raise IdempotencyError(
+            "@idempotent_consumer only works inside a Celery task (put it below @shared_task); "
+            "for other consumers use django_idempotency.inbox.consume_once()."
+        )
+    return task
+
+
+def _message_id(task: Any, kwargs: dict[str, Any], message_id_arg: str | None) -> str:
+    if message_id_arg is not None:
+        if kwargs.get(message_id_arg) is None:
+            raise IdempotencyError(
+                f"@idempotent_consumer(message_id_arg={message_id_arg!r}): the task was called "
+                f"without a {message_id_arg!r} keyword argument."
+            )
+        return str(kwargs[message_id_arg])
+    request = task.request
+    headers = getattr(request, "headers", None) or {}
+    event_id = getattr(request, EVENT_ID_HEADER, None) or headers.get(EVENT_ID_HEADER)
+    message_id = event_id or request.id
+    if not message_id:
+        raise IdempotencyError(
+            f"{task.name} was called without a task id or event_id header; call it through "
+            "Celery (delay, apply_async, apply) or pass message_id_arg."
+        )
+    return str(message_id)

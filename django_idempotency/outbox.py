@@ -1,0 +1,203 @@
+"""Layer 3, writing side: ``publish()`` puts an event in the caller's transaction.
+
+The event commits or rolls back with the business writes it describes; the relay (relay.py)
+sends it after commit. Also the state changes people make on events (``retry_dead``,
+``discard``), kept here so the admin and scripts call the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import IntegrityError, connections, router, transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from django_idempotency import signals
+from django_idempotency.conf import conf
+from django_idempotency.exceptions import DuplicateEventId, TransactionRequired
+from django_idempotency.inbox import derived_event_id
+from django_idempotency.models import OutboxEvent
+from django_idempotency.publishers.routing import resolve_route
+from django_idempotency.querysets import OutboxStatus
+
+logger = logging.getLogger(__name__)
+
+#: PostgreSQL channel the publishing transaction notifies, waking ``outbox_relay --loop``.
+NOTIFY_CHANNEL = "django_idempotency_outbox"
+
+_MAX_LENGTH = 255
+
+
+@dataclass(slots=True)
+class _AfterCommit:
+    """Registered once per transaction with ``on_commit``; also remembers the transaction id.
+
+    Finding this object in the connection's on-commit list is how ``publish()`` knows the
+    transaction already has its kick. A rolled-back savepoint drops it from the list, so the
+    next publish registers (and notifies) again.
+    """
+
+    using: str
+    transaction_id: int
+
+    def __call__(self) -> None:
+        kick = conf.OUTBOX_KICK
+        if kick is None:
+            return
+        try:
+            kick(self.using)
+        except Exception:
+            # The event is committed; a periodic relay pass sends it if this kick is lost.
+            logger.warning("outbox relay kick failed", exc_info=True)
+
+
+def publish(
+    topic: str,
+    payload: Any,
+    *,
+    key: str | int | None = None,
+    headers: Mapping[str, Any] | None = None,
+    event_id: uuid.UUID | str | None = None,
+    using: str | None = None,
+    require_atomic: bool | None = None,
+) -> OutboxEvent:
+    """Write an event to the outbox in the current transaction and return it.
+
+    ``key`` orders events (same key, same order out as in); ``event_id`` defaults to one derived
+    from the message being consumed (see ``consume_once``) or a fresh UUID. Raises
+    :class:`TransactionRequired` outside ``transaction.atomic`` unless ``require_atomic=False``
+    (or ``OUTBOX_REQUIRE_ATOMIC`` is False), in which case the event commits on its own.
+    """
+    using = using or router.db_for_write(OutboxEvent)
+    connection = connections[using]
+    required = conf.OUTBOX_REQUIRE_ATOMIC if require_atomic is None else require_atomic
+    if not connection.in_atomic_block:
+        if required:
+            raise TransactionRequired(
+                "publish() must run inside transaction.atomic() so the event commits or rolls "
+                "back with the writes it describes. Wrap the call in `with "
+                "transaction.atomic():`, or pass require_atomic=False (or set "
+                "IDEMPOTENCY['OUTBOX_REQUIRE_ATOMIC'] = False) to let it commit on its own."
+            )
+        with transaction.atomic(using=using):
+            return publish(topic, payload, key=key, headers=headers, event_id=event_id, using=using)
+    event = OutboxEvent(
+        event_id=_event_id(event_id),
+        topic=_text("topic", topic, required=True),
+        key=_text("key", "" if key is None else str(key), required=False),
+        payload=_json("payload", payload),
+        headers=_json("headers", _headers(headers)),
+    )
+    resolve_route(event.topic)  # an unroutable topic fails now, not after the commit
+    now = timezone.now()
+    event.created_at = event.next_attempt_at = now
+    event.transaction_id = _after_commit(using).transaction_id
+    try:
+        event.save(using=using, force_insert=True)
+    except IntegrityError as exc:
+        # The only unique constraint is on event_id, and every backend's message names it;
+        # asking the database instead would fail on PostgreSQL's aborted transaction.
+        if "event_id" in str(exc):
+            raise DuplicateEventId(
+                f"An outbox event with event_id {event.event_id} already exists; this "
+                "transaction must roll back. Pass a new event_id, or none."
+            ) from exc
+        raise
+    signals.event_enqueued.send(sender=OutboxEvent, event=event)
+    return event
+
+
+def _after_commit(using: str) -> _AfterCommit:
+    connection = connections[using]
+    for entry in connection.run_on_commit:
+        func = entry[1]  # (savepoint ids, callable, robust)
+        if isinstance(func, _AfterCommit) and func.using == using:
+            return func
+    transaction_id = 0
+    if connection.vendor == "postgresql":
+        # There is no database feature flag for transaction ids and snapshots; this is
+        # PostgreSQL's own machinery. The id (assigned now if the transaction had none) orders
+        # and gates the relay; pg_notify is transactional, so relays wake only on commit.
+        notify = ", pg_notify(%s, '')" if conf.OUTBOX_NOTIFY else ""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT pg_current_xact_id()::text::bigint{notify}",
+                [NOTIFY_CHANNEL] if notify else [],
+            )
+            transaction_id = int(cursor.fetchone()[0])
+    after_commit = _AfterCommit(using=using, transaction_id=transaction_id)
+    transaction.on_commit(after_commit, using=using, robust=True)
+    return after_commit
+
+
+def _event_id(value: uuid.UUID | str | None) -> uuid.UUID:
+    if value is None:
+        return derived_event_id() or uuid.uuid4()
+    try:
+        return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+    except ValueError:
+        raise ValueError(f"event_id must be a UUID, not {value!r}.") from None
+
+
+def _text(name: str, value: Any, *, required: bool) -> str:
+    if not isinstance(value, str) or len(value) > _MAX_LENGTH or (required and not value):
+        raise ValueError(
+            f"{name} must be a {'non-empty ' if required else ''}string of at most "
+            f"{_MAX_LENGTH} characters, not {value!r}."
+        )
+    return value
+
+
+def _headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping) or not all(isinstance(name, str) for name in headers):
+        raise ValueError(f"headers must be a mapping with string keys, not {headers!r}.")
+    return dict(headers)
+
+
+def _json(name: str, value: Any) -> Any:
+    """Refuse what cannot be stored or sent as JSON now, in the caller's frame."""
+    try:
+        json.dumps(value, cls=DjangoJSONEncoder)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be JSON-serialisable: {exc}") from None
+    return value
+
+
+# --- services for people (the admin, scripts) --------------------------------------------------
+
+
+def retry_dead(queryset: QuerySet[OutboxEvent] | None = None) -> int:
+    """Bring DEAD events back to PENDING with a fresh attempt count; returns how many.
+
+    The relay picks them up on its next pass, in their original order: they keep their ids.
+    """
+    events = queryset if queryset is not None else OutboxEvent.objects.all()
+    now = timezone.now()
+    count = events.filter(status=OutboxStatus.DEAD).update(
+        status=OutboxStatus.PENDING,
+        attempts=0,
+        next_attempt_at=now,
+        locked_until=None,
+        relay_token=None,
+    )
+    if count:
+        logger.info("outbox: %d dead events queued for retry", count, extra={"outbox_count": count})
+        transaction.on_commit(_AfterCommit(events.db, 0), using=events.db, robust=True)
+    return count
+
+
+def discard(queryset: QuerySet[OutboxEvent]) -> int:
+    """Delete DEAD events for good, releasing the events queued behind them on their keys."""
+    count, _ = queryset.filter(status=OutboxStatus.DEAD).delete()
+    if count:
+        logger.warning("outbox: %d dead events discarded", count, extra={"outbox_count": count})
+    return count

@@ -1,0 +1,204 @@
+"""Publishes to an AMQP exchange (RabbitMQ) through kombu, with publisher confirms.
+
+The whole batch is written, then the confirms are awaited together: one round trip per batch
+rather than per message. ``message_id`` is the event id, the routing key is the topic, messages
+are persistent, and ``mandatory`` makes an unroutable message a failure instead of a silent drop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from django_idempotency.exceptions import (
+    BrokerUnavailable,
+    IdempotencyConfigurationError,
+    PublishError,
+)
+from django_idempotency.publishers.base import OutboxMessage, Publisher, to_json
+
+PERSISTENT = 2
+
+
+def _kombu() -> Any:
+    """kombu, imported on first use (it is an optional dependency) and typed loosely."""
+    import kombu
+
+    return kombu
+
+
+class AMQPPublisher(Publisher):
+    """``OPTIONS``: ``url`` (required), ``exchange`` (required), ``exchange_type`` ("topic"),
+    ``declare`` (True: declare the exchange durable), ``mandatory`` (True),
+    ``confirm_timeout`` (10 s), ``connect_timeout`` (5 s)."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        exchange: str,
+        exchange_type: str = "topic",
+        declare: bool = True,
+        mandatory: bool = True,
+        confirm_timeout: float = 10.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        super().__init__()
+        if not url or not exchange:
+            raise IdempotencyConfigurationError(
+                "AMQPPublisher needs OPTIONS 'url' (amqp://...) and 'exchange' (a name)."
+            )
+        self.url = url
+        self.exchange = exchange
+        self.exchange_type = exchange_type
+        self.declare = declare
+        self.mandatory = mandatory
+        self.confirm_timeout = confirm_timeout
+        self.connect_timeout = connect_timeout
+        self._connection: Any = None
+        self._channel: Any = None
+        self._next_tag = 0
+        # Delivery tags awaiting a confirm, and the verdicts of those that got one. Only
+        # awaited tags are recorded, so a late or "multiple" ack never piles up entries.
+        self._pending: set[int] = set()
+        self._settled: dict[int, bool] = {}
+        self._returned: dict[str, str] = {}
+
+    # --- connection ---------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        kombu = _kombu()
+        connection = kombu.Connection(self.url, connect_timeout=self.connect_timeout)
+        try:
+            connection.connect()
+            channel = connection.channel()
+            channel.confirm_select()
+            channel.events["basic_ack"].add(self._on_ack)
+            channel.events["basic_nack"].add(self._on_nack)
+            channel.events["basic_return"].add(self._on_return)
+            if self.declare:
+                kombu.Exchange(self.exchange, type=self.exchange_type, durable=True).declare(
+                    channel=channel
+                )
+        except BaseException:
+            connection.close()
+            raise
+        # Tags restart at 1 on a new channel: forget everything about the old one.
+        self._connection, self._channel, self._next_tag = connection, channel, 0
+        self._pending.clear()
+        self._settled.clear()
+        self._returned.clear()
+
+    def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None:
+            # A dead socket cannot be closed politely; drop it.
+            with contextlib.suppress(Exception):
+                connection.close()
+
+    # --- confirms -----------------------------------------------------------------------------
+
+    def _settle(self, delivery_tag: int, multiple: bool, ok: bool) -> None:
+        if multiple:
+            tags = [tag for tag in self._pending if tag <= delivery_tag]
+        else:
+            tags = [delivery_tag] if delivery_tag in self._pending else []
+        for tag in tags:
+            self._pending.discard(tag)
+            self._settled[tag] = ok
+
+    def _on_ack(self, delivery_tag: int, multiple: bool) -> None:
+        self._settle(delivery_tag, multiple, True)
+
+    def _on_nack(self, delivery_tag: int, multiple: bool) -> None:
+        self._settle(delivery_tag, multiple, False)
+
+    def _on_return(self, exc: Exception, exchange: str, routing_key: str, message: Any) -> None:
+        # RabbitMQ sends basic.return before the basic.ack of the same message, so the ack that
+        # follows must not count as success: remember the message id.
+        message_id = message.properties.get("message_id")
+        if message_id:
+            self._returned[str(message_id)] = f"unroutable: no queue bound for {routing_key!r}"
+
+    # --- publishing ---------------------------------------------------------------------------
+
+    def publish(self, message: OutboxMessage) -> None:
+        error = self.publish_many([message])[0]
+        if error is not None:
+            raise error
+
+    def publish_many(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        errors = _kombu().Connection(self.url).connection_errors + (OSError,)
+        try:
+            if self._connection is None:
+                self._connect()
+            sent = self._send(messages)
+            self._await_confirms(sent)
+        except errors as exc:
+            self.close()
+            failure = BrokerUnavailable(f"AMQP broker unreachable: {exc!r}")
+            return [failure] * len(messages)
+        except Exception:
+            # A channel error (exchange missing, access refused) closes the channel: start over
+            # next batch with a fresh connection.
+            self.close()
+            raise
+        return [self._outcome(tag, message) for tag, message in sent]
+
+    def _send(self, messages: Sequence[OutboxMessage]) -> list[tuple[int, OutboxMessage]]:
+        channel = self._channel
+        sent: list[tuple[int, OutboxMessage]] = []
+        for message in messages:
+            amqp_message = channel.prepare_message(
+                to_json(message.payload),
+                content_type="application/json",
+                content_encoding="utf-8",
+                headers={
+                    **message.headers,
+                    "event_id": str(message.event_id),
+                    "event_key": message.key,
+                },
+                properties={
+                    "message_id": str(message.event_id),
+                    "delivery_mode": PERSISTENT,
+                    "type": message.topic,
+                    "timestamp": int(message.created_at.timestamp())
+                    if message.created_at
+                    else None,
+                },
+            )
+            channel.basic_publish(
+                amqp_message,
+                exchange=self.exchange,
+                routing_key=message.topic,
+                mandatory=self.mandatory,
+            )
+            self._next_tag += 1
+            self._pending.add(self._next_tag)
+            sent.append((self._next_tag, message))
+        return sent
+
+    def _await_confirms(self, sent: list[tuple[int, OutboxMessage]]) -> None:
+        deadline = time.monotonic() + self.confirm_timeout
+        while any(tag in self._pending for tag, _ in sent):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                self._connection.drain_events(timeout=remaining)
+            except TimeoutError:
+                return
+
+    def _outcome(self, tag: int, message: OutboxMessage) -> BaseException | None:
+        self._pending.discard(tag)  # a confirm still missing now counts as a failure
+        ok = self._settled.pop(tag, None)
+        returned = self._returned.pop(str(message.event_id), None)
+        if returned is not None:
+            return PublishError(returned)
+        if ok is None:
+            return PublishError(f"no publisher confirm within {self.confirm_timeout} s")
+        if not ok:
+            return PublishError("the broker refused the message (basic.nack)")
+        return None

@@ -1,0 +1,142 @@
+from contextlib import contextmanager
+
+import pytest
+from celery import Celery
+from celery._state import get_current_app
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+from django.db import connection
+
+from django_idempotency import checks
+from django_idempotency.inbox import idempotent_consumer
+from tests.outbox_support import settings_with
+
+
+def ids(messages):
+    return sorted(message.id for message in messages)
+
+
+def outbox_check(**values):
+    with settings_with(**values):
+        return checks.check_outbox_settings()
+
+
+def test_defaults_pass():
+    assert outbox_check() == []
+    assert checks.check_consumers() == []
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({"OUTBOX_PUBLISHERS": ["*"]}, [checks.E020]),
+        ({"OUTBOX_PUBLISHERS": {"*": {"OPTIONS": {}}}}, [checks.E020]),
+        ({"OUTBOX_PUBLISHERS": {"*": "no.such.Publisher"}}, [checks.E021]),
+        ({"OUTBOX_PUBLISHERS": {"*": "django_idempotency.conf.conf"}}, [checks.E021]),
+        ({"OUTBOX_BATCH_SIZE": 0}, [checks.E022]),
+        ({"OUTBOX_MAX_ATTEMPTS": "3"}, [checks.E022]),
+        ({"SWEEP_BATCH_SIZE": 1.5}, [checks.E022]),
+        ({"OUTBOX_RELAY_LEASE_SECONDS": -1}, [checks.E023]),
+        ({"INBOX_RETENTION_SECONDS": None}, [checks.E023]),
+        ({"OUTBOX_BACKOFF_BASE_SECONDS": 10, "OUTBOX_BACKOFF_MAX_SECONDS": 5}, [checks.E024]),
+        ({"OUTBOX_KICK": "no.such.kick"}, [checks.E025]),
+        ({"OUTBOX_KICK": "django_idempotency.conf.DEFAULTS"}, [checks.E025]),
+        ({"OUTBOX_REQUIRE_ATOMIC": "yes"}, [checks.E026]),
+        ({"OUTBOX_NOTIFY": 1}, [checks.E026]),
+    ],
+)
+def test_each_bad_setting_has_its_id(values, expected):
+    assert ids(outbox_check(**values)) == expected
+
+
+def test_not_a_dict_is_left_to_e001():
+    from django.test import override_settings
+
+    with override_settings(IDEMPOTENCY=["x"]):
+        assert checks.check_outbox_settings() == []
+        assert checks.check_consumers() == []
+
+
+@pytest.mark.django_db
+def test_call_command_check_fails_on_a_bad_outbox_setting():
+    with settings_with(OUTBOX_BATCH_SIZE=0), pytest.raises(SystemCheckError, match="E022"):
+        call_command("check")
+
+
+@contextmanager
+def current_celery_app(**conf):
+    app = Celery("checks", set_as_current=False)
+    app.conf.update(conf)
+    previous = get_current_app()
+    app.set_current()
+    try:
+        yield app
+    finally:
+        previous.set_current()
+
+
+def test_idempotent_task_without_acks_late_warns():
+    with current_celery_app() as app:
+
+        @app.task(shared=False, acks_late=False, name="checks.early_ack")
+        @idempotent_consumer
+        def early_ack():
+            pass
+
+        @app.task(shared=False, acks_late=True, name="checks.late_ack")
+        @idempotent_consumer
+        def late_ack():
+            pass
+
+        warnings = checks.check_consumers()
+    assert ids(warnings) == [checks.W021]
+    assert "checks.early_ack" in warnings[0].msg
+
+
+def test_inbox_retention_shorter_than_the_visibility_timeout_warns():
+    with current_celery_app(broker_url="redis://localhost:6379/0"):
+        with settings_with(INBOX_RETENTION_SECONDS=600):
+            warnings = checks.check_consumers()
+        assert ids(warnings) == [checks.W020]
+        assert "visibility_timeout" in warnings[0].msg
+        assert checks.check_consumers() == []  # the default 14 days is longer
+
+
+def test_inbox_retention_shorter_than_a_task_retry_span_warns():
+    with current_celery_app(broker_url="amqp://") as app:
+
+        @app.task(
+            shared=False,
+            acks_late=True,
+            max_retries=10,
+            default_retry_delay=3600,
+            name="checks.slow",
+        )
+        @idempotent_consumer
+        def slow_retries():
+            pass
+
+        with settings_with(INBOX_RETENTION_SECONDS=5 * 3600):  # retries span 10 hours
+            warnings = checks.check_consumers()
+    assert ids(warnings) == [checks.W020]
+    assert "checks.slow" in warnings[0].msg
+
+
+def test_inbox_retention_shorter_than_the_outbox_retry_span_warns():
+    with current_celery_app(broker_url="amqp://"):
+        slow_outbox = {
+            "OUTBOX_BACKOFF_MAX_SECONDS": 86400,
+            "OUTBOX_MAX_ATTEMPTS": 20,
+            "INBOX_RETENTION_SECONDS": 86400,
+        }
+        with settings_with(**slow_outbox):
+            warnings = checks.check_consumers()
+    assert ids(warnings) == [checks.W020] and "outbox" in warnings[0].msg
+
+
+def test_no_skip_locked_warns(monkeypatch):
+    assert checks.check_skip_locked(databases=["default"]) == []
+    monkeypatch.setattr(connection.features, "has_select_for_update", True)
+    monkeypatch.setattr(connection.features, "has_select_for_update_skip_locked", False)
+    assert ids(checks.check_skip_locked(databases=["default"])) == [checks.W022]
+    assert checks.check_skip_locked(databases=[]) == []

@@ -1,0 +1,388 @@
+import json
+import logging
+import threading
+import uuid
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from django.utils import timezone
+from kombu import Connection, Exchange, Queue
+
+from django_idempotency.exceptions import (
+    BrokerUnavailable,
+    IdempotencyConfigurationError,
+    PublishError,
+    UnroutableTopic,
+)
+from django_idempotency.models import OutboxEvent
+from django_idempotency.publishers import OutboxMessage, Publisher, PublisherSet, resolve_route
+from django_idempotency.publishers.amqp import AMQPPublisher
+from django_idempotency.publishers.celery import CeleryPublisher
+from django_idempotency.publishers.log import LoggingPublisher
+from django_idempotency.publishers.memory import MemoryPublisher
+from django_idempotency.publishers.webhook import WebhookPublisher, sign, verify_signature
+from django_idempotency.relay import Relay
+from tests.outbox_support import publish_committed, settings_with
+from tests.proxy import tcp_proxy
+
+
+def message(topic="orders.paid", payload=None, key="order-1", **headers):
+    return OutboxMessage(
+        event_id=uuid.uuid4(),
+        topic=topic,
+        key=key,
+        payload={"total": "9.99"} if payload is None else payload,
+        headers=headers,
+        created_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+    )
+
+
+# --- routing ----------------------------------------------------------------------------------
+
+MEMORY = "django_idempotency.publishers.memory.MemoryPublisher"
+LOGGING = "django_idempotency.publishers.log.LoggingPublisher"
+
+
+def test_exact_topic_wins_then_the_first_matching_pattern():
+    routes = {"*": MEMORY, "orders.*": LOGGING, "orders.paid": {"BACKEND": MEMORY}}
+    assert resolve_route("orders.paid", routes).pattern == "orders.paid"
+    assert resolve_route("orders.shipped", routes).pattern == "*"
+    assert resolve_route("orders.shipped", {"orders.*": LOGGING, "*": MEMORY}).backend == LOGGING
+    with pytest.raises(UnroutableTopic, match="OUTBOX_PUBLISHERS"):
+        resolve_route("invoices.sent", {"orders.*": LOGGING})
+
+
+@pytest.mark.parametrize(
+    "spec", [42, {"OPTIONS": {}}, {"BACKEND": MEMORY, "OPTIONS": []}, {"BACKEND": MEMORY, "X": 1}]
+)
+def test_a_malformed_route_names_the_setting(spec):
+    with pytest.raises(IdempotencyConfigurationError, match=r"OUTBOX_PUBLISHERS'\]\['\*'\]"):
+        resolve_route("a", {"*": spec})
+
+
+def test_publisher_set_builds_once_per_route_and_explains_bad_backends():
+    publishers = PublisherSet()
+    with settings_with(OUTBOX_PUBLISHERS={"*": MEMORY}):
+        assert publishers.for_topic("a") is publishers.for_topic("b")
+    cases = [
+        ("django_idempotency.conf.conf", "not a Publisher subclass"),
+        ({"BACKEND": MEMORY, "OPTIONS": {"colour": "red"}}, "does not accept"),
+        ("no.such.Publisher", "could not be imported"),
+    ]
+    for spec, error in cases:
+        with (
+            settings_with(OUTBOX_PUBLISHERS={"*": spec}),
+            pytest.raises(IdempotencyConfigurationError, match=error),
+        ):
+            PublisherSet().for_topic("a")
+    publishers.close()
+
+
+def test_base_publish_many_stops_the_batch_when_the_broker_is_unavailable():
+    class Flaky(Publisher):
+        calls = 0
+
+        def publish(self, message):
+            Flaky.calls += 1
+            if message.payload == "bad":
+                raise PublishError("this one")
+            if message.payload == "down":
+                raise BrokerUnavailable("all of them")
+
+    batch = [message(payload=p) for p in ("ok", "bad", "ok", "down", "ok", "ok")]
+    results = Flaky().publish_many(batch)
+    assert [type(r).__name__ if r else None for r in results] == [
+        None,
+        "PublishError",
+        None,
+        "BrokerUnavailable",
+        "BrokerUnavailable",
+        "BrokerUnavailable",
+    ]
+    assert Flaky.calls == 4
+    with pytest.raises(NotImplementedError):
+        Publisher().publish(batch[0])
+    with pytest.raises(TypeError, match="takes no options"):
+        MemoryPublisher(colour="red")
+
+
+def test_logging_publisher_logs_the_event(caplog):
+    sent = message()
+    with caplog.at_level(logging.INFO, logger="django_idempotency.publishers.log"):
+        LoggingPublisher(level="WARNING").publish(sent)
+    record = caplog.records[-1]
+    assert record.levelno == logging.WARNING
+    assert record.outbox_event_id == str(sent.event_id) and record.outbox_topic == "orders.paid"
+
+
+# --- Celery -----------------------------------------------------------------------------------
+
+
+def test_celery_publisher_sends_the_task_with_the_event_id_as_task_id():
+    from celery import Celery
+
+    app = Celery("publisher-test", set_as_current=False, broker="memory://")
+    queue = f"q-{uuid.uuid4().hex}"
+    publisher = CeleryPublisher(app=app, task="tests.testapp.tasks.record_effect", queue=queue)
+    sent = message(payload={"name": "celery"}, tenant="acme")
+    publisher.publish(sent)
+    other = message(payload=["positional"])
+    CeleryPublisher(app=app, queue=queue).publish(other)
+    with app.connection_for_read() as connection:
+        simple = connection.SimpleQueue(queue)
+        first, second = simple.get(timeout=5), simple.get(timeout=5)
+        simple.close()
+    assert first.headers["id"] == str(sent.event_id)
+    assert first.headers["task"] == "tests.testapp.tasks.record_effect"
+    assert first.headers["event_id"] == str(sent.event_id)
+    assert first.headers["event_key"] == "order-1" and first.headers["tenant"] == "acme"
+    args, kwargs, _ = first.payload
+    assert (args, kwargs) == ([], {"name": "celery"})
+    assert second.headers["task"] == "orders.paid"
+    assert second.payload[0] == [["positional"]]
+
+
+def test_celery_publisher_reports_an_unreachable_broker():
+    from celery import Celery
+
+    app = Celery("unreachable", set_as_current=False, broker="amqp://guest:guest@127.0.0.1:1//")
+    app.conf.broker_connection_timeout = 1
+    publisher = CeleryPublisher(app=app)
+    with pytest.raises(BrokerUnavailable, match="unreachable"):
+        publisher.publish(message())
+
+
+# --- webhook ----------------------------------------------------------------------------------
+
+
+class Receiver:
+    """A local HTTP server recording what it received; answers ``status``."""
+
+    def __init__(self):
+        self.requests = []
+        self.status = 200
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.requests.append((dict(self.headers), body))
+                self.send_response(receiver.status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver():
+    server = Receiver()
+    yield server
+    server.close()
+
+
+def test_webhook_posts_signed_json_with_the_event_id_as_idempotency_key(receiver):
+    publisher = WebhookPublisher(url=receiver.url, secret="s3cret", timeout=5)
+    sent = message(tenant="acme")
+    publisher.publish(sent)
+    publisher.close()
+    headers, body = receiver.requests[0]
+    assert headers["Idempotency-Key"] == str(sent.event_id)
+    assert headers["Content-Type"] == "application/json"
+    assert verify_signature("s3cret", body, headers["Webhook-Signature"])
+    assert not verify_signature("other", body, headers["Webhook-Signature"])
+    assert not verify_signature("s3cret", body + b" ", headers["Webhook-Signature"])
+    envelope = json.loads(body)
+    assert envelope["event_id"] == str(sent.event_id)
+    assert envelope["topic"] == "orders.paid" and envelope["payload"] == {"total": "9.99"}
+    assert envelope["headers"] == {"tenant": "acme"}
+
+
+def test_webhook_signatures_expire():
+    body = b"{}"
+    header = f"t=1000,v1={sign('k', 1000, body)}"
+    assert verify_signature("k", body, header, now=1100)
+    assert not verify_signature("k", body, header, now=2000)
+    assert not verify_signature("k", body, "v1=abc")
+    assert not verify_signature("k", body, "t=x,v1=abc")
+
+
+def test_webhook_non_2xx_is_a_failure(receiver):
+    receiver.status = 503
+    publisher = WebhookPublisher(url=receiver.url, secret="k")
+    with pytest.raises(PublishError, match="answered 503"):
+        publisher.publish(message())
+    publisher.close()
+
+
+def test_webhook_unreachable_fails_the_rest_of_the_batch():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    publisher = WebhookPublisher(url=f"http://127.0.0.1:{port}/", secret="k", timeout=2)
+    results = publisher.publish_many([message(), message()])
+    publisher.close()
+    assert all(isinstance(result, BrokerUnavailable) for result in results)
+
+
+def test_webhook_needs_url_and_secret():
+    with pytest.raises(IdempotencyConfigurationError, match="secret"):
+        WebhookPublisher(url="http://x/", secret="")
+
+
+def test_webhook_read_timeout_is_a_publish_error():
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/"
+        publisher = WebhookPublisher(url=url, secret="k", timeout=0.5)
+        with pytest.raises(PublishError, match="failed"):
+            publisher.publish(message())
+        publisher.close()
+    finally:
+        listener.close()
+
+
+# --- AMQP (RabbitMQ) --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rabbit(amqp_url):
+    """A fresh exchange with one queue bound to every routing key; deleted afterwards."""
+    name = f"test-outbox-{uuid.uuid4().hex}"
+    exchange = Exchange(name, type="topic", durable=True)
+    queue = Queue(name, exchange=exchange, routing_key="orders.#", durable=False, auto_delete=False)
+    with Connection(amqp_url) as connection:
+        queue(connection.default_channel).declare()
+
+        def drain(expected, timeout=30):
+            received = []
+            with Connection(amqp_url) as reader:
+                bound = queue(reader.default_channel)
+                import time
+
+                deadline = time.monotonic() + timeout
+                while len(received) < expected and time.monotonic() < deadline:
+                    got = bound.get(no_ack=True)
+                    if got is None:
+                        time.sleep(0.05)
+                    else:
+                        received.append(got)
+            return received
+
+        yield {"url": amqp_url, "exchange": name, "drain": drain}
+        channel = connection.default_channel
+        queue(channel).delete()
+        exchange(channel).delete()
+
+
+def test_amqp_publishes_persistent_messages_with_the_event_id(rabbit):
+    publisher = AMQPPublisher(url=rabbit["url"], exchange=rabbit["exchange"])
+    batch = [message(payload={"n": n}, tenant="acme") for n in range(5)]
+    assert publisher.publish_many(batch) == [None] * 5
+    publisher.close()
+    received = rabbit["drain"](5)
+    assert [m.properties["message_id"] for m in received] == [str(b.event_id) for b in batch]
+    first = received[0]
+    assert first.delivery_info["routing_key"] == "orders.paid"
+    assert first.properties["delivery_mode"] == 2
+    assert first.properties["type"] == "orders.paid"
+    assert first.headers["event_id"] == str(batch[0].event_id)
+    assert first.headers["tenant"] == "acme" and first.headers["event_key"] == "order-1"
+    assert json.loads(first.body) == {"n": 0}
+
+
+def test_amqp_unroutable_messages_fail_instead_of_vanishing(rabbit):
+    publisher = AMQPPublisher(url=rabbit["url"], exchange=rabbit["exchange"])
+    routed, unrouted = message(), message(topic="invoices.sent")
+    results = publisher.publish_many([routed, unrouted])
+    publisher.publish(message())  # the channel stays usable
+    publisher.close()
+    assert results[0] is None
+    assert isinstance(results[1], PublishError) and "unroutable" in str(results[1])
+
+
+def test_amqp_missing_exchange_without_declare_raises_and_recovers(rabbit):
+    publisher = AMQPPublisher(
+        url=rabbit["url"], exchange=f"missing-{uuid.uuid4().hex}", declare=False
+    )
+    with pytest.raises(Exception, match="NOT_FOUND|not found|404"):
+        publisher.publish_many([message()])
+    assert publisher._connection is None
+    publisher.close()
+
+
+def test_amqp_needs_url_and_exchange():
+    with pytest.raises(IdempotencyConfigurationError, match="exchange"):
+        AMQPPublisher(url="amqp://x//", exchange="")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_relay_loses_nothing_while_rabbitmq_is_cut_off(rabbit):
+    with tcp_proxy(rabbit["url"], 5672) as proxy:
+        routes = {
+            "orders.*": {
+                "BACKEND": "django_idempotency.publishers.amqp.AMQPPublisher",
+                "OPTIONS": {
+                    "url": proxy.url_for(rabbit["url"]),
+                    "exchange": rabbit["exchange"],
+                    "connect_timeout": 2,
+                    "confirm_timeout": 5,
+                },
+            }
+        }
+        with settings_with(OUTBOX_PUBLISHERS=routes), Relay() as relay:
+            before = [publish_committed(payload={"n": n}) for n in range(3)]
+            assert relay.drain().published == 3
+            proxy.cut()
+            during = [publish_committed(payload={"n": n}, key="k") for n in range(3, 8)]
+            stats = relay.drain()
+            assert stats.published == 0 and stats.failed == 1  # the key's first; the rest wait
+            pending = OutboxEvent.objects.pending()
+            assert pending.count() == 5
+            assert pending.filter(attempts=1).count() == 1
+            assert "unreachable" in pending.get(attempts=1).last_error
+            proxy.restore()
+            OutboxEvent.objects.update(next_attempt_at=timezone.now())
+            assert relay.drain().published == 5
+    received = rabbit["drain"](8)
+    assert [m.properties["message_id"] for m in received] == [
+        str(e.event_id) for e in before + during
+    ]
+    assert rabbit["drain"](1, timeout=0.5) == []  # nothing twice
+
+
+def test_amqp_keeps_no_confirm_state_between_batches_and_connections(rabbit):
+    publisher = AMQPPublisher(url=rabbit["url"], exchange=rabbit["exchange"])
+    for _ in range(2):
+        assert publisher.publish_many([message(), message(), message()]) == [None] * 3
+        assert publisher._pending == set() and publisher._settled == {}
+        publisher.close()  # the next batch reconnects, and delivery tags restart at 1
+    assert len(rabbit["drain"](6)) == 6
+
+
+def test_amqp_confirms_settle_only_awaited_tags():
+    publisher = AMQPPublisher(url="amqp://unused//", exchange="x")
+    publisher._pending = {3, 4, 5}
+    publisher._on_ack(4, True)  # "everything up to 4": only 3 and 4 were awaited
+    publisher._on_nack(5, False)
+    publisher._on_ack(9, False)  # not awaited: ignored
+    assert publisher._settled == {3: True, 4: True, 5: False}
+    assert publisher._pending == set()
+    assert isinstance(publisher._outcome(5, message()), PublishError)
+    assert publisher._outcome(4, message()) is None
+    assert "no publisher confirm" in str(publisher._outcome(7, message()))

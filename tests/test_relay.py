@@ -1,0 +1,310 @@
+import random
+from datetime import timedelta
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+from freezegun import freeze_time
+
+from django_idempotency import signals
+from django_idempotency.exceptions import OutboxError
+from django_idempotency.models import OutboxEvent
+from django_idempotency.outbox import discard, publish, retry_dead
+from django_idempotency.publishers.memory import broker
+from django_idempotency.relay import Relay, backoff_delay
+from tests.outbox_support import HeldTransaction, is_postgresql, publish_committed, settings_with
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class FixedRandom(random.Random):
+    """``uniform(a, b)`` returns ``b``: the top of the jitter range, to check the ceiling."""
+
+    def uniform(self, a, b):
+        return b
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    broker.clear()
+    yield
+    broker.clear()
+
+
+def sent_payloads():
+    return [message.payload["n"] for message in broker.snapshot()]
+
+
+def test_relay_refuses_to_run_inside_a_transaction():
+    publish_committed()
+    with pytest.raises(OutboxError, match="must not run inside"), transaction.atomic():
+        Relay().run_once()
+    assert broker.snapshot() == []
+
+
+def test_batches_go_out_in_id_order_and_carry_the_event_id():
+    events = [publish_committed(payload={"n": n}) for n in range(5)]
+    with Relay(batch_size=2) as relay:
+        stats = relay.drain()
+    assert stats.published == 5 and stats.claimed == 5
+    assert sent_payloads() == [0, 1, 2, 3, 4]
+    assert [m.event_id for m in broker.snapshot()] == [e.event_id for e in events]
+    assert {m.attempt for m in broker.snapshot()} == {1}
+
+
+def test_a_failing_event_holds_back_its_key_only():
+    for n in range(3):
+        publish_committed(payload={"n": n}, key="order-1")
+        publish_committed(payload={"n": 10 + n}, key="order-2")
+    publish_committed(payload={"n": 99})  # no key: never held back
+    broker.fail_when(lambda m: m.payload["n"] == 0)
+    with Relay() as relay:
+        stats = relay.drain()
+    assert sent_payloads() == [10, 99, 11, 12]
+    assert stats.failed == 1 and stats.published == 4
+    assert OutboxEvent.objects.filter(key="order-1").pending().count() == 3
+    # Once the broker takes it, the held key drains in order.
+    broker.fail_when(None)
+    OutboxEvent.objects.update(next_attempt_at=timezone.now())
+    with Relay() as relay:
+        relay.drain()
+    assert sent_payloads() == [10, 99, 11, 12, 0, 1, 2]
+
+
+def test_per_key_order_holds_across_many_injected_failures():
+    keys = ["a", "b", "c"]
+    for n in range(30):
+        publish_committed(payload={"n": n, "key": keys[n % 3]}, key=keys[n % 3])
+    chance = random.Random(7)
+    broker.fail_when(lambda m: chance.random() < 0.4)
+    fast_backoff = settings_with(
+        OUTBOX_BACKOFF_BASE_SECONDS=0.001, OUTBOX_BACKOFF_MAX_SECONDS=0.002
+    )
+    with fast_backoff, Relay(batch_size=7) as relay:
+        for _ in range(500):
+            relay.drain()
+            if not OutboxEvent.objects.pending().exists():
+                break
+    assert not OutboxEvent.objects.unpublished().exists()
+    for key in keys:
+        sequence = [m.payload["n"] for m in broker.snapshot() if m.key == key]
+        assert sequence == sorted(sequence) and len(sequence) == 10
+
+
+def test_backoff_is_exponential_with_full_jitter_and_capped():
+    with settings_with(OUTBOX_BACKOFF_BASE_SECONDS=2, OUTBOX_BACKOFF_MAX_SECONDS=30):
+        ceilings = [backoff_delay(attempts, FixedRandom()) for attempts in range(1, 8)]
+        assert ceilings == [2, 4, 8, 16, 30, 30, 30]
+        samples = [backoff_delay(3, random.Random(seed)) for seed in range(200)]
+    assert all(0 <= sample <= 8 for sample in samples)
+    assert min(samples) < 2 and max(samples) > 6  # spread over the whole range
+
+
+def test_failures_schedule_the_next_attempt_by_backoff():
+    event = publish_committed()
+    broker.fail_when(lambda m: True)
+    with (
+        settings_with(OUTBOX_BACKOFF_BASE_SECONDS=5, OUTBOX_BACKOFF_MAX_SECONDS=60),
+        freeze_time(timezone.now()) as clock,
+    ):
+        for attempt in range(1, 5):
+            with Relay(rng=FixedRandom()) as relay:
+                assert relay.run_once().failed == 1
+            event.refresh_from_db()
+            delay = (event.next_attempt_at - timezone.now()).total_seconds()
+            assert event.attempts == attempt
+            assert delay == min(60, 5 * 2 ** (attempt - 1))
+            assert "injected failure" in event.last_error
+            with Relay() as relay:  # not due yet: nothing happens
+                assert relay.run_once().claimed == 0
+            clock.tick(timedelta(seconds=delay))
+
+
+def test_an_event_is_dead_after_max_attempts_and_retry_dead_brings_it_back():
+    event = publish_committed(key="k")
+    later = publish_committed(key="k", payload={"n": 2})
+    dead, failed = [], []
+    signals.event_dead.connect(lambda sender, **kw: dead.append(kw), weak=False)
+    signals.publish_failed.connect(lambda sender, **kw: failed.append(kw), weak=False)
+    broker.fail_when(lambda m: m.event_id == event.event_id)
+    try:
+        three_attempts = settings_with(OUTBOX_MAX_ATTEMPTS=3, OUTBOX_BACKOFF_BASE_SECONDS=0.001)
+        with three_attempts, Relay(rng=random.Random(1)) as relay:
+            for _ in range(3):
+                OutboxEvent.objects.pending().update(next_attempt_at=timezone.now())
+                relay.run_once()
+    finally:
+        signals.event_dead.receivers.clear()
+        signals.publish_failed.receivers.clear()
+    event.refresh_from_db()
+    assert event.status == OutboxEvent.Status.DEAD and event.attempts == 3
+    assert [kw["attempts"] for kw in failed] == [1, 2, 3]
+    assert failed[-1]["next_attempt_at"] is None
+    assert len(dead) == 1 and dead[0]["event"].event_id == event.event_id
+    # A DEAD event keeps its key's order: the later event waits for a person.
+    with Relay() as relay:
+        assert relay.drain().claimed == 0
+    assert broker.snapshot() == []
+    broker.fail_when(None)
+    assert retry_dead(OutboxEvent.objects.filter(pk=event.pk)) == 1
+    event.refresh_from_db()
+    assert (event.status, event.attempts) == (OutboxEvent.Status.PENDING, 0)
+    with Relay() as relay:
+        relay.drain()
+    assert [m.event_id for m in broker.snapshot()] == [event.event_id, later.event_id]
+
+
+def test_discard_deletes_only_dead_events_and_frees_the_key():
+    first = publish_committed(key="k")
+    second = publish_committed(key="k")
+    OutboxEvent.objects.filter(pk=first.pk).update(status=OutboxEvent.Status.DEAD)
+    assert discard(OutboxEvent.objects.all()) == 1
+    assert list(OutboxEvent.objects.values_list("pk", flat=True)) == [second.pk]
+    with Relay() as relay:
+        relay.drain()
+    assert [m.event_id for m in broker.snapshot()] == [second.event_id]
+
+
+def test_a_relay_whose_lease_ran_out_cannot_mark_events_another_relay_owns():
+    event = publish_committed()
+    slow = Relay(lease_seconds=60)
+    claimed = slow._claim(timezone.now())
+    assert [e.pk for e in claimed] == [event.pk]
+    with freeze_time(timezone.now() + timedelta(seconds=61)):
+        with Relay() as other:
+            assert other.run_once().published == 1
+        # The first relay now finishes its publish and tries to acknowledge: fenced out.
+        outcomes = slow._publish(claimed, deadline=float("inf"))
+        stats = slow._ack(claimed, outcomes)
+    slow.close()
+    assert stats.lost == 1 and stats.published == 0
+    assert [m.event_id for m in broker.snapshot()] == [event.event_id] * 2
+    event.refresh_from_db()
+    assert event.status == OutboxEvent.Status.PUBLISHED and event.relay_token is None
+
+
+def test_events_not_sent_before_the_lease_budget_ran_out_are_released():
+    for n in range(3):
+        publish_committed(payload={"n": n})
+    with Relay(lease_seconds=1e-9) as relay:
+        stats = relay.run_once()
+    assert (stats.claimed, stats.released, stats.published) == (3, 3, 0)
+    assert not OutboxEvent.objects.filter(locked_until__isnull=False).exists()
+    with Relay() as relay:
+        assert relay.drain().published == 3
+
+
+def test_a_topic_without_publisher_at_relay_time_fails_with_the_reason():
+    publish_committed("orders.paid")
+    with settings_with(OUTBOX_PUBLISHERS={"invoices.*": "x.Y"}), Relay() as relay:
+        assert relay.run_once().failed == 1
+    assert "No publisher for topic 'orders.paid'" in OutboxEvent.objects.get().last_error
+
+
+def test_published_signal_carries_the_event_and_publisher():
+    seen = []
+    receiver = lambda sender, **kw: seen.append(kw)  # noqa: E731
+    signals.event_published.connect(receiver)
+    try:
+        event = publish_committed()
+        with Relay() as relay:
+            relay.drain()
+    finally:
+        signals.event_published.disconnect(receiver)
+    assert [(kw["event"].event_id, kw["publisher"]) for kw in seen] == [
+        (event.event_id, "MemoryPublisher")
+    ]
+
+
+def test_postgresql_holds_keyed_events_behind_an_older_open_transaction():
+    if not is_postgresql():
+        pytest.skip("the transaction gate is PostgreSQL's")
+    with HeldTransaction(lambda: publish("orders.paid", {"n": 1}, key="k")) as older:
+        later = publish_committed(payload={"n": 2}, key="k")
+        keyless = publish_committed(payload={"n": 3})
+        with Relay() as relay:
+            relay.drain()
+        # The keyless event leaves; the keyed one waits: the older transaction may still
+        # commit an earlier event with its key.
+        assert [m.event_id for m in broker.snapshot()] == [keyless.event_id]
+        older.release()
+    with Relay() as relay:
+        relay.drain()
+    assert [m.payload["n"] for m in broker.snapshot()] == [3, 1, 2]
+    assert broker.snapshot()[2].event_id == later.event_id
+
+
+def test_postgresql_ignores_open_transactions_of_other_databases():
+    if not is_postgresql():
+        pytest.skip("the transaction gate is PostgreSQL's")
+    from django.db import connection
+
+    params = {**connection.get_connection_params(), "dbname": "postgres"}
+    elsewhere = connection.get_new_connection(params)
+    try:
+        elsewhere.execute("SELECT pg_current_xact_id()")  # a running transaction with an id
+        event = publish_committed(key="k")
+        with Relay() as relay:
+            relay.drain()
+        assert [m.event_id for m in broker.snapshot()] == [event.event_id]
+    finally:
+        elsewhere.close()
+
+
+def test_an_idle_relay_loop_wakes_on_a_publishing_commit():
+    if not is_postgresql():
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    import threading
+
+    from django.db import connections
+
+    stop = threading.Event()
+    passes = []
+    idle = threading.Event()
+
+    def on_pass(stats):
+        passes.append(stats)
+        idle.set()
+
+    def loop():
+        try:
+            with Relay() as relay:
+                relay.run_forever(stop, poll_seconds=300, on_pass=on_pass)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        assert idle.wait(30)  # the first pass found nothing; the loop now waits for 300 s
+        event = publish_committed()
+        deadline = timezone.now() + timedelta(seconds=60)
+        while not broker.snapshot() and timezone.now() < deadline:
+            stop.wait(0.05)
+        assert [m.event_id for m in broker.snapshot()] == [event.event_id]
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+class ExplodingPublisher:
+    """Stands in for a publisher whose batch call itself breaks."""
+
+    def __init__(self, results=None):
+        self.results = results
+
+    def publish_many(self, messages):
+        if self.results is None:
+            raise RuntimeError("publisher bug")
+        return self.results
+
+
+@pytest.mark.parametrize(
+    ("publisher", "error"),
+    [(ExplodingPublisher(), "publisher bug"), (ExplodingPublisher([None]), "wrong count")],
+)
+def test_a_publisher_that_breaks_fails_its_whole_group(publisher, error):
+    events = [publish_committed(payload={"n": n}) for n in range(2)]
+    results = Relay._send(publisher, [OutboxEvent.objects.get(pk=e.pk) for e in events])
+    assert len(results) == 2 and all(error in str(result) for result in results)
