@@ -5,7 +5,7 @@
 local mode = os.getenv("BENCH_MODE") or "first"
 local prefix = os.getenv("BENCH_KEY_PREFIX") or "00000000"
 local replay_keys = tonumber(os.getenv("BENCH_REPLAY_KEYS") or "1")
-local body = os.getenv("BENCH_BODY")
+local accounts = tonumber(os.getenv("BENCH_ACCOUNTS") or "2")
 local counter = 0
 local thread_number = 1
 local threads = {}
@@ -23,6 +23,13 @@ function key_for(thread, n)
   return string.format("%s-%04x-4000-8000-%012x", prefix, thread, n)
 end
 
+-- The same body as benchmarks/run.py's body_for(number): the account pair follows the number.
+function body_for(n)
+  return string.format(
+    '{"amount": "1.00", "currency": "USD", "source_account": "acc_%d", ' ..
+    '"destination_account": "acc_%d"}', n % accounts + 1, (n + 1) % accounts + 1)
+end
+
 function request()
   counter = counter + 1
   if mode == "get" then
@@ -30,12 +37,14 @@ function request()
   end
   -- wrk.format uses these headers instead of wrk.headers, not on top of them
   local headers = {["Content-Type"] = "application/json"}
+  local number = thread_number * 7919 + counter
   if mode == "first" then
     headers["Idempotency-Key"] = key_for(thread_number, counter)
   elseif mode == "replay" then
-    headers["Idempotency-Key"] = key_for(0, counter % replay_keys)
+    number = counter % replay_keys
+    headers["Idempotency-Key"] = key_for(0, number)
   end
-  return wrk.format("POST", nil, headers, body)
+  return wrk.format("POST", nil, headers, body_for(number))
 end
 
 function done(summary, latency, requests)

@@ -29,9 +29,23 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 LUA = Path(__file__).resolve().parent / "request.lua"
-BODY = json.dumps(
-    {"amount": "1.00", "currency": "USD", "source_account": "acc_1", "destination_account": "acc_2"}
-)
+#: Payments move between these many accounts, so requests do not all queue on the same two
+#: rows; each request's pair is fixed by its key (request.lua does the same), which keeps a
+#: replayed request's body identical to the original's.
+ACCOUNTS = 200
+
+
+def body_for(number: int) -> str:
+    source = number % ACCOUNTS + 1
+    destination = (number + 1) % ACCOUNTS + 1
+    return json.dumps(
+        {"amount": "1.00", "currency": "USD", "source_account": f"acc_{source}",
+         "destination_account": f"acc_{destination}"},
+        separators=(", ", ": "),
+    )  # fmt: skip
+
+
+BODY = body_for(0)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -129,8 +143,8 @@ def prepare_database(args: argparse.Namespace) -> None:
         "            if model is not Account:\n"
         "                model.objects.all().delete()\n"
         "get_user_model().objects.get_or_create(username='bench')\n"
-        "for name in ('acc_1', 'acc_2'):\n"
-        "    Account.objects.get_or_create(name=name, defaults={'balance': 10**9})\n",
+        f"for number in range(1, {ACCOUNTS} + 1):\n"
+        "    Account.objects.get_or_create(name=f'acc_{number}', defaults={'balance': 10**9})\n",
     )
 
 
@@ -176,11 +190,11 @@ def stop(server: Server) -> None:
         server.process.wait(30)
 
 
-def post(url: str, key: str | None) -> tuple[int, dict[str, str], bytes]:
+def post(url: str, key: str | None, body: str = BODY) -> tuple[int, dict[str, str], bytes]:
     headers = {"Content-Type": "application/json"}
     if key is not None:
         headers["Idempotency-Key"] = key
-    request = urllib.request.Request(url, data=BODY.encode(), headers=headers, method="POST")
+    request = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, dict(response.headers), response.read()
@@ -194,7 +208,9 @@ def replay_key(server: Server, number: int) -> str:
 
 def create_replay_keys(server: Server, count: int) -> None:
     for number in range(count):
-        status, _, body = post(server.base + "/api/v1/payments/", replay_key(server, number))
+        status, _, body = post(
+            server.base + "/api/v1/payments/", replay_key(server, number), body_for(number)
+        )
         if status != 201:
             raise RuntimeError(f"{server.variant}: creating a replay key got {status}: {body!r}")
 
@@ -215,7 +231,7 @@ def wrk(server: Server, row: Row, args: argparse.Namespace, duration: float) -> 
         "BENCH_MODE": row.mode,
         "BENCH_KEY_PREFIX": secrets.token_hex(4),
         "BENCH_REPLAY_KEYS": str(args.replay_keys),
-        "BENCH_BODY": BODY,
+        "BENCH_ACCOUNTS": str(ACCOUNTS),
     }
     if row.mode == "replay":
         env["BENCH_KEY_PREFIX"] = server.replay_prefix
