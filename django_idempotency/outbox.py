@@ -1,8 +1,10 @@
 """Layer 3, writing side: ``publish()`` puts an event in the caller's transaction.
 
 The event commits or rolls back with the business writes it describes; the relay (relay.py)
-sends it after commit. Also the state changes people make on events (``retry_dead``,
-``discard``), kept here so the admin and scripts call the same code.
+sends it after commit. The event keeps the W3C ``traceparent`` of the span that published it
+(the HTTP request, say), so the consumer's span can link back to it. Also the state changes
+people make on events (``retry_dead``, ``discard``), kept here so the admin and scripts call the
+same code.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from django.db import IntegrityError, connections, router, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from django_idempotency import signals
+from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import DuplicateEventId, TransactionRequired
 from django_idempotency.inbox import derived_event_id
@@ -94,6 +96,7 @@ def publish(
         key=_text("key", "" if key is None else str(key), required=False),
         payload=_json("payload", payload),
         headers=_json("headers", _headers(headers)),
+        traceparent=tracing.current_traceparent(),
     )
     resolve_route(event.topic)  # an unroutable topic fails now, not after the commit
     now = timezone.now()
