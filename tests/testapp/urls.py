@@ -23,4 +23,6 @@ urlpatterns = [
     path("plain/raw/", idempotent(views.raw_body_view)),
     path("async/widget/", views.async_view),
     path("plain/publish/", views.publish_view),
+    path("plain/relay/", views.relay_view),
+    path("metrics/", views.metrics_view),
 ]

@@ -185,3 +185,26 @@ def publish_view(request: HttpRequest) -> HttpResponse:
     payload = {"name": widget.name, "widget_id": widget.pk}
     event = publish("widgets.created", payload, key=widget.pk)
     return JsonResponse({"id": widget.pk, "event_id": str(event.event_id)}, status=201)
+
+
+def relay_view(request: HttpRequest) -> HttpResponse:
+    """Relays everything due from this (gunicorn worker) process: the multiprocess metrics test."""
+    from django_idempotency.relay import Relay
+
+    with Relay() as relay:
+        stats = relay.drain()
+    return JsonResponse({"pid": os.getpid(), **stats.as_dict()})
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """The metrics view docs/metrics.md shows for gunicorn: every worker's counters added up,
+    and the outbox gauges read once, from the database."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from django_idempotency.metrics import OutboxCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    registry.register(OutboxCollector())
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
