@@ -102,15 +102,7 @@ def consumer_span(
     say), and tracing back-ends follow the link to the HTTP request that published the message.
     A missing or malformed ``traceparent`` gives a span without a link.
     """
-    if not enabled():
-        yield None
-        return
-    with _tracer().start_as_current_span(
-        name,
-        kind=otel_trace.SpanKind.CONSUMER,
-        links=_links([traceparent]),
-        attributes=dict(attributes or {}),
-    ) as span:
+    with _linked_span(name, "CONSUMER", [traceparent], attributes) as span:
         yield span
 
 
@@ -126,12 +118,23 @@ def producer_span(
     The relay runs in a trace of its own; one span per batch sent to a publisher, with a link to
     each distinct stored ``traceparent``, as the messaging conventions do for batches.
     """
+    with _linked_span(name, "PRODUCER", traceparents, attributes) as span:
+        yield span
+
+
+@contextmanager
+def _linked_span(
+    name: str,
+    kind: str,
+    traceparents: Iterable[str | None],
+    attributes: Mapping[str, AttributeValue] | None,
+) -> Iterator[Span | None]:
     if not enabled():
         yield None
         return
     with _tracer().start_as_current_span(
         name,
-        kind=otel_trace.SpanKind.PRODUCER,
+        kind=otel_trace.SpanKind[kind],
         links=_links(traceparents),
         attributes=dict(attributes or {}),
     ) as span:
