@@ -148,11 +148,7 @@ def retry_events(
 
     result = _change_failed_events(queryset, batch_size, retry)
     if result.changed:
-        logger.info(
-            "outbox: %d failed events queued for retry",
-            result.changed,
-            extra={"outbox_count": result.changed},
-        )
+        _log_count(logging.INFO, "outbox: %d failed events queued for retry", result.changed)
         kick_after_commit(router.db_for_write(OutboxEvent))
     return result
 
@@ -167,11 +163,7 @@ def discard_events(
 
     result = _change_failed_events(queryset, batch_size, discard)
     if result.changed:
-        logger.warning(
-            "outbox: %d failed events discarded",
-            result.changed,
-            extra={"outbox_count": result.changed},
-        )
+        _log_count(logging.WARNING, "outbox: %d failed events discarded", result.changed)
     return result
 
 
@@ -196,3 +188,7 @@ def _change_failed_events(
         in_flight += batch.in_flight
         not_failed += batch.not_failed
     return EventResult(changed, in_flight, not_failed)
+
+
+def _log_count(level: int, message: str, count: int) -> None:
+    logger.log(level, message, count, extra={"outbox_count": count})

@@ -76,6 +76,17 @@ def shown_keys(driver) -> set[str]:
     }
 
 
+def run_action(browser, row_xpath: str, action: str) -> None:
+    """Tick the row ``row_xpath`` finds, choose ``action`` and press Go."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    row = browser.find_element(By.XPATH, row_xpath)
+    row.find_element(By.CSS_SELECTOR, "input.action-select").click()
+    Select(browser.find_element(By.NAME, "action")).select_by_value(action)
+    browser.find_element(By.CSS_SELECTOR, "button[name=index]").click()
+
+
 def log_in(browser, live_server, page: str) -> None:
     """Log in as the on-call superuser and land on ``page``, navigation sidebar folded."""
     from selenium.webdriver.common.by import By
@@ -91,7 +102,6 @@ def log_in(browser, live_server, page: str) -> None:
 
 def test_log_in_filter_stuck_keys_and_release_one(browser, live_server):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
 
     for key in ("pay-1001", "pay-1002", "pay-1003"):
         IdempotencyRecordFactory(key=key, stuck=True, path="/api/v1/payments/")
@@ -113,10 +123,7 @@ def test_log_in_filter_stuck_keys_and_release_one(browser, live_server):
     assert shown_keys(browser) == {"pay-1001", "pay-1002", "pay-1003"}
     browser.save_screenshot(str(ARTIFACTS / "2-stuck-filter.png"))
 
-    row = browser.find_element(By.XPATH, "//tr[th[normalize-space()='pay-1002']]")
-    row.find_element(By.CSS_SELECTOR, "input.action-select").click()
-    Select(browser.find_element(By.NAME, "action")).select_by_value("release_keys")
-    browser.find_element(By.CSS_SELECTOR, "button[name=index]").click()
+    run_action(browser, "//tr[th[normalize-space()='pay-1002']]", "release_keys")
     message = wait_for(browser, "ul.messagelist li.success")
     assert message.text == "Released 1 idempotency key."
     assert shown_keys(browser) == {"pay-1001", "pay-1003"}
@@ -138,10 +145,7 @@ def test_log_in_filter_stuck_keys_and_release_one(browser, live_server):
         f"{live_server.url}/admin/django_idempotency/idempotencyrecord/?status__exact=PROCESSING"
     )
     wait_for(browser, "#result_list")
-    row = browser.find_element(By.XPATH, "//tr[th[normalize-space()='pay-2001']]")
-    row.find_element(By.CSS_SELECTOR, "input.action-select").click()
-    Select(browser.find_element(By.NAME, "action")).select_by_value("force_release_keys")
-    browser.find_element(By.CSS_SELECTOR, "button[name=index]").click()
+    run_action(browser, "//tr[th[normalize-space()='pay-2001']]", "force_release_keys")
     wait_for(browser, "ul.idempotency-confirm-list")
     browser.save_screenshot(str(ARTIFACTS / "5-force-release.png"))
     assert IdempotencyRecord.objects.filter(key="pay-2001").exists()
@@ -149,7 +153,6 @@ def test_log_in_filter_stuck_keys_and_release_one(browser, live_server):
 
 def test_filter_failed_outbox_events_and_retry_one(browser, live_server):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
 
     unroutable = "PublishError: unroutable: no queue bound for 'refunds.issued'"
     dead = [
@@ -177,14 +180,10 @@ def test_filter_failed_outbox_events_and_retry_one(browser, live_server):
     assert "2" in browser.find_element(By.CSS_SELECTOR, "#idempotency-health li.alert").text
     browser.find_element(By.LINK_TEXT, "Failed (dead, or pending a retry)").click()
     wait_for(browser, "#changelist-filter li.selected a[href='?failed=yes']")
-    keys = {cell.text for cell in browser.find_elements(By.CSS_SELECTOR, ".field-key_display")}
-    assert keys == {"order-1041", "order-1042", "order-1043"}
+    assert shown_keys(browser) == {"order-1041", "order-1042", "order-1043"}
     browser.save_screenshot(str(ARTIFACTS / "6-outbox-failed.png"))
 
-    row = browser.find_element(By.XPATH, "//tr[td[normalize-space()='order-1041']]")
-    row.find_element(By.CSS_SELECTOR, "input.action-select").click()
-    Select(browser.find_element(By.NAME, "action")).select_by_value("retry_events")
-    browser.find_element(By.CSS_SELECTOR, "button[name=index]").click()
+    run_action(browser, "//tr[td[normalize-space()='order-1041']]", "retry_events")
     message = wait_for(browser, "ul.messagelist li.success")
     assert message.text == "Queued 1 failed event to be sent again."
     retried = OutboxEvent.objects.get(pk=dead[0].pk)

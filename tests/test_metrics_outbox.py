@@ -10,7 +10,7 @@ import pytest
 from django.db import DatabaseError, connection, connections
 from django.utils import timezone
 from freezegun import freeze_time
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import CollectorRegistry
 
 from django_idempotency import health, sweeps
 from django_idempotency.inbox import consume_once
@@ -20,6 +20,7 @@ from django_idempotency.publishers.memory import broker
 from django_idempotency.relay import Relay
 from django_idempotency.testing import deliver_twice
 from tests.factories import OutboxEventFactory
+from tests.metrics_support import SampleDelta
 from tests.outbox_support import publish_committed, settings_with
 from tests.testapp import tasks
 
@@ -51,28 +52,10 @@ SAMPLES = {
 }
 
 
-class Metrics:
-    """Every sample's change since the fixture was created."""
-
-    def __init__(self) -> None:
-        self.start = self.read()
-
-    @staticmethod
-    def read() -> dict[str, float]:
-        return {
-            name: REGISTRY.get_sample_value(metric, labels) or 0.0
-            for name, (metric, labels) in SAMPLES.items()
-        }
-
-    def delta(self) -> dict[str, float]:
-        now = self.read()
-        return {name: now[name] - self.start[name] for name in now if now[name] != self.start[name]}
-
-
 @pytest.fixture
-def metrics() -> Metrics:
+def metrics() -> SampleDelta:
     broker.clear()
-    yield Metrics()
+    yield SampleDelta(SAMPLES)
     broker.clear()
 
 

@@ -31,6 +31,19 @@ def sent_keys() -> list[str]:
     return [message.key for message in broker.snapshot()]
 
 
+def relay_pass_thread(outcome: list) -> threading.Thread:
+    """A thread (not started) running one relay pass on its own connection into ``outcome``."""
+
+    def relay_pass():
+        try:
+            with Relay() as relay:
+                outcome.append(relay.run_once())
+        finally:
+            connections.close_all()
+
+    return threading.Thread(target=relay_pass)
+
+
 def failing_and_due(**fields):
     """Failed twice, its backoff over: the next relay pass takes it."""
     return OutboxEventFactory(
@@ -96,16 +109,8 @@ def test_an_event_a_relay_is_publishing_is_left_alone_and_then_published(change)
         return False  # do not fail it
 
     broker.fail_when(hold_publish)
-    outcome = []
-
-    def relay_pass():
-        try:
-            with Relay() as relay:
-                outcome.append(relay.run_once())
-        finally:
-            connections.close_all()
-
-    relay_thread = threading.Thread(target=relay_pass)
+    outcome: list = []
+    relay_thread = relay_pass_thread(outcome)
     relay_thread.start()
     assert publishing.wait(60), "the relay did not start publishing"
     assert change(OutboxEvent.objects.all()) == EventResult(changed=0, in_flight=1)
@@ -127,16 +132,8 @@ def test_a_relay_never_publishes_an_event_an_operator_is_discarding():
         pytest.skip("SQLite has no row locks: its writers are serialised whole")
     doomed = failing_and_due(key="doomed")
     failing_and_due(key="other")
-    outcome = []
-
-    def relay_pass():
-        try:
-            with Relay() as relay:
-                outcome.append(relay.run_once())
-        finally:
-            connections.close_all()
-
-    relay_thread = threading.Thread(target=relay_pass)
+    outcome: list = []
+    relay_thread = relay_pass_thread(outcome)
     with HeldTransaction(lambda: discard_events(OutboxEvent.objects.filter(pk=doomed.pk))) as held:
         assert held.result == EventResult(changed=1)
         relay_thread.start()
