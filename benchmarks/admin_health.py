@@ -1,13 +1,15 @@
-"""How fast the admin's health panel and changelist stay on 1,000,000 idempotency records.
+"""How fast the admin's health panel and changelists stay on 1,000,000 rows per table.
 
     POSTGRES_URL=postgres://postgres@127.0.0.1:5432/idem \
         .venv/bin/python benchmarks/admin_health.py
 
 Uses its own database (the URL's name + ``_bench``), filled once with ``INSERT ... SELECT
 generate_series`` and ANALYZEd (as autovacuum would); later runs reuse it unless ``--refill``.
-The mix: 1 in 1,000 records stuck (lease expired), 1 in 1,000 running, 1 in 20 expired, the
-rest completed. Prints median and worst times for the health snapshot, changelist pages and,
-for comparison, the exact ``COUNT(*)`` the admin no longer runs.
+Idempotency records: 1 in 1,000 stuck (lease expired), 1 in 1,000 running, 1 in 20 expired,
+the rest completed. Outbox events: the newest 20,000 pending (a broker outage's backlog, some
+failing), 1 in 1,000 dead, the rest published. Processed messages: five consumers over two
+weeks. Prints median and worst times for the health snapshot, changelist pages and, for
+comparison, the exact ``COUNT(*)`` the admin never runs.
 """
 
 from __future__ import annotations
@@ -51,6 +53,48 @@ SELECT
 FROM generate_series(1, %s) AS i
 """
 
+#: The newest events that are still pending: the backlog a broker outage leaves.
+OUTBOX_BACKLOG = 20_000
+
+OUTBOX_FILL_SQL = """
+INSERT INTO django_idempotency_outboxevent (
+    event_id, topic, key, payload, headers, status, attempts, next_attempt_at, locked_until,
+    relay_token, last_error, transaction_id, created_at, published_at, traceparent
+)
+SELECT
+    gen_random_uuid(),
+    (ARRAY['orders.paid', 'orders.shipped', 'invoices.sent', 'payments.captured',
+           'refunds.issued'])[1 + i %% 5],
+    'order-' || (i %% 50000),
+    ('{"order_id": ' || i || ', "total": "10.00", "currency": "EUR"}')::jsonb,
+    '{"tenant": "acme"}'::jsonb,
+    CASE WHEN i > total - %(backlog)s THEN 'PENDING'
+         WHEN i %% 1000 = 0 THEN 'DEAD' ELSE 'PUBLISHED' END,
+    CASE WHEN i %% 1000 = 0 THEN 10 WHEN i > total - %(backlog)s AND i %% 10 = 0 THEN 2
+         ELSE 0 END,
+    now() - (total - i) * interval '500 milliseconds',
+    NULL,
+    NULL,
+    CASE WHEN i %% 1000 = 0 OR (i > total - %(backlog)s AND i %% 10 = 0)
+         THEN 'BrokerUnavailable: AMQP broker unreachable' ELSE '' END,
+    1000 + i / 3,
+    now() - (total - i) * interval '500 milliseconds',
+    CASE WHEN i > total - %(backlog)s OR i %% 1000 = 0 THEN NULL
+         ELSE now() - (total - i) * interval '500 milliseconds' + interval '40 milliseconds' END,
+    '00-' || md5(i::text) || '-' || left(md5((i + 1)::text), 16) || '-01'
+FROM generate_series(1, %(rows)s) AS i, (SELECT %(rows)s AS total) AS size
+"""
+
+PROCESSED_FILL_SQL = """
+INSERT INTO django_idempotency_processedmessage (consumer, message_id, processed_at)
+SELECT
+    (ARRAY['billing.charge', 'shipping.ship', 'mail.receipt', 'ledger.post',
+           'search.index'])[1 + i %% 5],
+    md5(i::text)::uuid::text,
+    now() - (i %% 1209600) * interval '1 second'
+FROM generate_series(1, %(rows)s) AS i
+"""
+
 
 def bench_url() -> tuple[str, str]:
     url = os.environ.get("POSTGRES_URL")
@@ -70,22 +114,19 @@ def ensure_database(name: str, admin_url: str) -> None:
             connection.execute(f'CREATE DATABASE "{name}"')
 
 
-def fill(rows: int, refill: bool) -> None:
+def fill(table: str, sql: str, params: object, rows: int, refill: bool) -> None:
     from django.db import connection
 
-    from django_idempotency.models import IdempotencyRecord
-
-    table = IdempotencyRecord._meta.db_table
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT count(*) FROM {table}")
         if cursor.fetchone()[0] == rows and not refill:
-            print(f"reusing {rows:,} records")
+            print(f"reusing {rows:,} rows of {table}")
             return
         started = time.perf_counter()
         cursor.execute(f"TRUNCATE {table}")
-        cursor.execute(FILL_SQL, [rows])
-        cursor.execute(f"ANALYZE {table}")
-        print(f"inserted {rows:,} records in {time.perf_counter() - started:.1f} s")
+        cursor.execute(sql, params)
+        cursor.execute(f"VACUUM ANALYZE {table}")
+        print(f"inserted {rows:,} rows into {table} in {time.perf_counter() - started:.1f} s")
 
 
 def measure(label: str, run: Callable[[], object], repeat: int) -> tuple[str, float, float]:
@@ -122,10 +163,13 @@ def main() -> None:
     from django.urls import reverse
 
     from django_idempotency import health
-    from django_idempotency.models import IdempotencyRecord
+    from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 
     call_command("migrate", verbosity=0)
-    fill(args.rows, args.refill)
+    fill(IdempotencyRecord._meta.db_table, FILL_SQL, [args.rows], args.rows, args.refill)
+    sizes = {"rows": args.rows, "backlog": OUTBOX_BACKLOG}
+    fill(OutboxEvent._meta.db_table, OUTBOX_FILL_SQL, sizes, args.rows, args.refill)
+    fill(ProcessedMessage._meta.db_table, PROCESSED_FILL_SQL, sizes, args.rows, args.refill)
     user, _ = User.objects.get_or_create(
         username="bench", defaults={"is_staff": True, "is_superuser": True}
     )
@@ -137,6 +181,11 @@ def main() -> None:
         args=[IdempotencyRecord.objects.order_by("-pk").values_list("pk", flat=True)[0]],
     )
 
+    events = reverse("admin:django_idempotency_outboxevent_changelist")
+    latest_event = OutboxEvent.objects.order_by("-pk").values_list("pk", "event_id")[0]
+    event_detail = reverse("admin:django_idempotency_outboxevent_change", args=[latest_event[0]])
+    processed = reverse("admin:django_idempotency_processedmessage_changelist")
+
     def page(url: str) -> Callable[[], object]:
         def get() -> object:
             response = client.get(url)
@@ -147,6 +196,7 @@ def main() -> None:
 
     results = [
         measure("health snapshot (all figures)", health.snapshot, args.repeat),
+        measure("health: the outbox section", health.outbox_health, args.repeat),
         measure("changelist, no filter", page(changelist), args.repeat),
         measure("changelist, stuck=yes", page(f"{changelist}?stuck=yes"), args.repeat),
         measure(
@@ -159,9 +209,28 @@ def main() -> None:
         measure("changelist, search by key", page(f"{changelist}?q=bench-4242"), args.repeat),
         measure("detail page", page(detail), args.repeat),
         measure("for comparison: exact COUNT(*)", IdempotencyRecord.objects.count, args.repeat),
+        measure("outbox changelist, no filter", page(events), args.repeat),
+        measure("outbox changelist, dead", page(f"{events}?status__exact=DEAD"), args.repeat),
+        measure("outbox changelist, pending", page(f"{events}?status__exact=PENDING"), args.repeat),
+        measure("outbox changelist, failed", page(f"{events}?failed=yes"), args.repeat),
+        measure("outbox changelist, topic", page(f"{events}?topic=refunds.issued"), args.repeat),
+        measure(
+            "outbox changelist, search by event id",
+            page(f"{events}?q={latest_event[1]}"),
+            args.repeat,
+        ),
+        measure("outbox changelist, search by key", page(f"{events}?q=order-4242"), args.repeat),
+        measure("outbox detail page", page(event_detail), args.repeat),
+        measure("for comparison: outbox COUNT(*)", OutboxEvent.objects.count, args.repeat),
+        measure("processed messages changelist", page(processed), args.repeat),
+        measure(
+            "processed messages, one consumer",
+            page(f"{processed}?consumer=ledger.post"),
+            args.repeat,
+        ),
     ]
     print()
-    print(f"{args.rows:,} records on PostgreSQL; milliseconds over {args.repeat} runs")
+    print(f"{args.rows:,} rows per table on PostgreSQL; milliseconds over {args.repeat} runs")
     print()
     print("| what | median ms | worst ms |")
     print("|---|---:|---:|")

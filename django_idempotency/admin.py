@@ -1,4 +1,4 @@
-"""Django admin for the people on call: find stuck keys in seconds and free them safely.
+"""Django admin for the people on call: stuck keys, dead events and consumers' inboxes.
 
 Rows are read-only: nothing a form could edit would leave the state machine consistent. State
 changes go through actions that call :mod:`django_idempotency.operations` and report counts.
@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import quote
+from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
-from django.db.models import Q, QuerySet
+from django.db.models import Field, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, reverse
@@ -28,11 +29,11 @@ from django.utils.text import Truncator, capfirst
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency import health
+from django_idempotency import health, operations
 from django_idempotency.conf import conf
-from django_idempotency.models import IdempotencyRecord
+from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 from django_idempotency.operations import ReleaseResult, release_records
-from django_idempotency.querysets import PROCESSING, lease_expired_q
+from django_idempotency.querysets import PROCESSING, OutboxStatus, lease_expired_q
 
 if TYPE_CHECKING:
     ModelAdmin = admin.ModelAdmin[Any]
@@ -120,6 +121,26 @@ class OperationsAdmin(ModelAdmin):
         actions.pop("delete_selected", None)
         return actions
 
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        """Exact match on any of ``search_fields``: a substring search would scan every row.
+
+        A term a field cannot hold (not a UUID for a UUID field, say) just does not match it.
+        """
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        match = Q()
+        for name in self.search_fields:
+            field = self.opts.get_field(name)
+            try:
+                value = field.to_python(term) if isinstance(field, Field) else term
+            except ValidationError:
+                continue
+            match |= Q(**{name: value})
+        return (queryset.filter(match) if match else queryset.none()), False
+
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
@@ -159,6 +180,15 @@ class OperationsAdmin(ModelAdmin):
         return TemplateResponse(
             request, "admin/django_idempotency/action_confirmation.html", context
         )
+
+    def change_link(self, obj: Any, text: str) -> SafeString:
+        """A link to ``obj``'s (read-only) detail page, for confirmation pages."""
+        opts = self.opts
+        url = reverse(
+            f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_change",
+            args=[quote(obj.pk)],
+        )
+        return format_html('<a href="{}">{}</a>', url, text)
 
 
 def preformatted(text: str) -> SafeString:
@@ -271,15 +301,6 @@ class IdempotencyRecordAdmin(OperationsAdmin):
         # The body can be a megabyte per row; the list never shows it, the detail page loads it.
         return super().get_queryset(request).defer("response_body")
 
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
-    ) -> tuple[QuerySet[Any], bool]:
-        """Exact match on key or scope: a substring search would scan every row."""
-        term = search_term.strip()
-        if not term:
-            return queryset, False
-        return queryset.filter(Q(key=term) | Q(scope=term)), False
-
     # --- columns and fields ---
 
     @admin.display(description=_("key"))
@@ -366,12 +387,8 @@ class IdempotencyRecordAdmin(OperationsAdmin):
             ),
             objects=[
                 format_html(
-                    '<a href="{}">{}</a> ({}) — {}',
-                    reverse(
-                        f"{self.admin_site.name}:django_idempotency_idempotencyrecord_change",
-                        args=[quote(record.pk)],
-                    ),
-                    Truncator(record.key).chars(60),
+                    "{} ({}) — {}",
+                    self.change_link(record, Truncator(record.key).chars(60)),
                     record.scope,
                     _("lease left: %(left)s") % {"left": self.lease_left(record)},
                 )
@@ -412,9 +429,257 @@ class IdempotencyRecordAdmin(OperationsAdmin):
             )
 
 
+# --- outbox events -------------------------------------------------------------------------------
+
+
+class RecentValuesFilter(admin.SimpleListFilter):
+    """Choices from a sample of rows rather than a ``DISTINCT`` over the column, which would read
+    the whole table on every page load. The chosen value is always offered."""
+
+    field_name: str
+    #: Rows read per sample.
+    sample_size = 10_000
+
+    def samples(self, queryset: QuerySet[Any]) -> list[QuerySet[Any]]:
+        """Where choices come from: by default the latest rows."""
+        return [queryset.order_by("-pk")]
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        rows = model_admin.get_queryset(request)
+        values: set[str] = set()
+        for sample in self.samples(rows):
+            values.update(sample.values_list(self.field_name, flat=True)[: self.sample_size])
+        if self.value():
+            values.add(str(self.value()))
+        return [(value, value) for value in sorted(values)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        if self.value() is None:
+            return None
+        return queryset.filter(**{self.field_name: self.value()})
+
+
+class TopicFilter(RecentValuesFilter):
+    title = _("topic")
+    parameter_name = "topic"
+    field_name = "topic"
+
+    def samples(self, queryset: QuerySet[Any]) -> list[QuerySet[Any]]:
+        # The topics of unpublished events (what an operator looks for), then the latest ones.
+        unpublished = queryset.unpublished()  # type: ignore[attr-defined]
+        return [unpublished.order_by(), *super().samples(queryset)]
+
+
+class FailedFilter(admin.SimpleListFilter):
+    title = _("failed")
+    parameter_name = "failed"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [("yes", _("Failed (dead, or pending a retry)"))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        if self.value() == "yes":
+            return queryset.failed()  # type: ignore[attr-defined, no-any-return]
+        return None
+
+
+class OutboxEventAdmin(OperationsAdmin):
+    list_display = (
+        "event_id",
+        "topic",
+        "key_display",
+        "status",
+        "attempts",
+        "age",
+        "next_attempt",
+        "error_display",
+    )
+    list_filter = ("status", FailedFilter, TopicFilter)
+    sortable_by = ("age",)
+    search_fields = ("event_id", "key")
+    search_help_text = _("An exact event id or ordering key.")
+    ordering = ("-pk",)
+    actions = ("retry_events", "discard_events")
+    fieldsets = (
+        (
+            None,
+            {"fields": ("event_id", "topic", "key", "status", "attempts", "last_error_display")},
+        ),
+        (_("Message"), {"fields": ("payload_display", "headers_display", "traceparent")}),
+        (
+            _("Relay"),
+            {"fields": ("next_attempt", "next_attempt_at", "locked_until", "relay_token")},
+        ),
+        (_("Dates"), {"fields": ("created_at", "published_at", "age", "transaction_id")}),
+    )
+    readonly_fields = (
+        *("event_id", "topic", "key", "status", "attempts", "last_error_display"),
+        *("payload_display", "headers_display", "traceparent", "next_attempt"),
+        *("next_attempt_at", "locked_until", "relay_token", "created_at", "published_at"),
+        *("age", "transaction_id"),
+    )
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        # Payloads can be large; the list never shows them, the detail page loads them.
+        return super().get_queryset(request).defer("payload", "headers")
+
+    # --- columns and fields ---
+
+    @admin.display(description=_("key"))
+    def key_display(self, event: OutboxEvent) -> str:
+        return Truncator(event.key).chars(40) or "–"
+
+    @admin.display(description=_("age"), ordering="pk")  # pk order is creation order, indexed
+    def age(self, event: OutboxEvent) -> str:
+        return health.elapsed(event.created_at, timezone.now())
+
+    @admin.display(description=_("next attempt"))
+    def next_attempt(self, event: OutboxEvent) -> str:
+        if event.status == OutboxStatus.PUBLISHED:
+            return _("published %(age)s ago") % {
+                "age": health.elapsed(event.published_at, timezone.now())
+            }
+        if event.status == OutboxStatus.DEAD:
+            return gettext("none: waits for a person")
+        now = timezone.now()
+        if event.locked_until is not None and event.locked_until > now:
+            return gettext("being published now")
+        if event.next_attempt_at > now:
+            return _("in %(wait)s") % {"wait": health.elapsed(now, event.next_attempt_at)}
+        return gettext("due now")
+
+    @admin.display(description=_("last error"))
+    def error_display(self, event: OutboxEvent) -> str:
+        return Truncator(event.last_error).chars(80) or "–"
+
+    @admin.display(description=_("last error"))
+    def last_error_display(self, event: OutboxEvent) -> SafeString | str:
+        return preformatted(event.last_error) if event.last_error else "–"
+
+    @admin.display(description=_("payload"))
+    def payload_display(self, event: OutboxEvent) -> SafeString:
+        return pretty_json(event.payload)
+
+    @admin.display(description=_("headers"))
+    def headers_display(self, event: OutboxEvent) -> SafeString:
+        return pretty_json(event.headers)
+
+    # --- actions ---
+
+    @admin.action(description=_("Retry selected failed events now"), permissions=["change"])
+    def retry_events(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        result = operations.retry_events(queryset)
+        done = ngettext(
+            "Queued %(count)d failed event to be sent again.",
+            "Queued %(count)d failed events to be sent again.",
+            result.changed,
+        )
+        self.report_events(request, result, done % {"count": result.changed})
+
+    @admin.action(description=_("Discard selected failed events…"), permissions=["delete"])
+    def discard_events(
+        self, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> TemplateResponse | None:
+        if request.POST.get("post") == "yes":
+            result = operations.discard_events(queryset)
+            done = ngettext(
+                "Discarded %(count)d failed event.",
+                "Discarded %(count)d failed events.",
+                result.changed,
+            )
+            self.report_events(request, result, done % {"count": result.changed})
+            return None
+        failed = queryset.failed()  # type: ignore[attr-defined]
+        failed_count = health.count_rows(failed)
+        return self.confirm_action(
+            request,
+            action="discard_events",
+            title=gettext("Discard outbox events"),
+            question=gettext(
+                "The failed events below will be deleted and never sent; the events queued "
+                "behind them on their keys will go next. Events that have not failed, and "
+                "events a relay is publishing right now, are left alone. Discard them?"
+            ),
+            objects=[
+                format_html(
+                    "{} {} ({}) — {}",
+                    self.change_link(event, str(event.event_id)),
+                    event.topic,
+                    event.status,
+                    Truncator(event.last_error).chars(120) or "–",
+                )
+                for event in failed.order_by("pk")[:20]
+            ],
+            summary=ngettext(
+                "%(count)s selected event has failed.",
+                "%(count)s selected events have failed; the first 20 are listed.",
+                failed_count.value,
+            )
+            % {"count": failed_count},
+            confirm_label=gettext("Yes, discard them"),
+        )
+
+    def report_events(
+        self, request: HttpRequest, result: operations.EventResult, done: str
+    ) -> None:
+        self.message_user(request, done, messages.SUCCESS if result.changed else messages.WARNING)
+        if result.in_flight:
+            self.message_user(
+                request,
+                ngettext(
+                    "Left %(count)d event alone: a relay is publishing it right now.",
+                    "Left %(count)d events alone: a relay is publishing them right now.",
+                    result.in_flight,
+                )
+                % {"count": result.in_flight},
+                messages.WARNING,
+            )
+        if result.not_failed:
+            self.message_user(
+                request,
+                ngettext(
+                    "Left %(count)d event alone: it has not failed (published, or waiting "
+                    "for its first attempt).",
+                    "Left %(count)d events alone: they have not failed (published, or "
+                    "waiting for their first attempt).",
+                    result.not_failed,
+                )
+                % {"count": result.not_failed},
+                messages.INFO,
+            )
+
+
+# --- processed messages --------------------------------------------------------------------------
+
+
+class ConsumerFilter(RecentValuesFilter):
+    title = _("consumer")
+    parameter_name = "consumer"
+    field_name = "consumer"
+
+
+class ProcessedMessageAdmin(OperationsAdmin):
+    """The consumers' inbox, read-only: deleting a marker would let a redelivery run again."""
+
+    list_display = ("consumer", "message_id", "processed_at", "age")
+    list_filter = (ConsumerFilter, ("processed_at", admin.DateFieldListFilter))
+    sortable_by = ("processed_at", "age")
+    search_fields = ("message_id", "consumer")
+    search_help_text = _("An exact message id or consumer.")
+    ordering = ("-pk",)
+    fields = ("consumer", "message_id", "processed_at", "age")
+    readonly_fields = fields
+
+    @admin.display(description=_("age"), ordering="pk")
+    def age(self, message: ProcessedMessage) -> str:
+        return health.elapsed(message.processed_at, timezone.now())
+
+
 def register(site: admin.AdminSite = admin.site) -> None:
     """Register this app's admins on ``site`` (done for ``admin.site`` unless switched off)."""
     site.register(IdempotencyRecord, IdempotencyRecordAdmin)
+    site.register(OutboxEvent, OutboxEventAdmin)
+    site.register(ProcessedMessage, ProcessedMessageAdmin)
 
 
 if conf.REGISTER_ADMIN:

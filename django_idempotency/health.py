@@ -24,8 +24,9 @@ from django.utils.formats import number_format
 from django.utils.timesince import timesince
 from django.utils.translation import gettext as _
 
-from django_idempotency.models import IdempotencyRecord
-from django_idempotency.querysets import RecordStatus
+from django_idempotency.conf import conf
+from django_idempotency.models import IdempotencyRecord, OutboxEvent
+from django_idempotency.querysets import OutboxStatus, RecordStatus
 
 #: Exact counts stop here; what lies beyond is estimated (PostgreSQL) or shown as "10,000+".
 COUNT_LIMIT = 10_000
@@ -126,8 +127,65 @@ def records_section(now: datetime) -> Section:
     )
 
 
+#: The oldest pending event is looked for among this many at the head of the relay's order.
+OLDEST_PENDING_SAMPLE = 100
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxHealth:
+    """The outbox figures the panel and the Prometheus gauges (metrics.py) share."""
+
+    #: PENDING events: the backlog the relay still has to send.
+    pending: RowCount
+    #: When the oldest PENDING event was written; None when there is none.
+    oldest_pending_at: datetime | None
+    #: DEAD events, waiting for a person.
+    dead: RowCount
+
+
+def outbox_health(using: str | None = None) -> OutboxHealth:
+    """Three bounded reads through the relay index, whatever the table's size.
+
+    The oldest pending event is the oldest among the first ``OLDEST_PENDING_SAMPLE`` in the
+    relay's order, ``(transaction_id, id)``: that order follows creation closely (it is creation
+    order apart from transactions that overlap), and a ``MIN(created_at)`` over every pending
+    event would read the whole backlog, which is large exactly when someone looks.
+    """
+    events = OutboxEvent.objects.using(using).all() if using else OutboxEvent.objects.all()
+    pending = events.pending()
+    head = pending.in_relay_order().values_list("created_at", flat=True)
+    return OutboxHealth(
+        pending=count_rows(pending),
+        oldest_pending_at=min(head[:OLDEST_PENDING_SAMPLE], default=None),
+        dead=count_rows(events.dead()),
+    )
+
+
+def outbox_section(now: datetime) -> Section:
+    outbox = outbox_health()
+    oldest = outbox.oldest_pending_at
+    # A running relay sends an event within a pass; one waiting longer than a whole relay lease
+    # means no relay runs, or publishing keeps failing.
+    late = oldest is not None and now - oldest > timedelta(seconds=conf.OUTBOX_RELAY_LEASE_SECONDS)
+    pending_query = f"status__exact={OutboxStatus.PENDING}"
+    return Section(
+        title=_("Outbox"),
+        model=OutboxEvent,
+        figures=(
+            Figure(_("pending"), str(outbox.pending), pending_query),
+            Figure(_("oldest pending"), elapsed(oldest, now), pending_query, alert=late),
+            Figure(
+                _("dead"),
+                str(outbox.dead),
+                f"status__exact={OutboxStatus.DEAD}",
+                alert=outbox.dead.value > 0,
+            ),
+        ),
+    )
+
+
 #: The sections of the health panel, in order. Each takes "now" and returns a :class:`Section`.
-SECTIONS: list[Callable[[datetime], Section]] = [records_section]
+SECTIONS: list[Callable[[datetime], Section]] = [records_section, outbox_section]
 
 
 def snapshot(now: datetime | None = None) -> list[Section]:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from django.db import IntegrityError, router, transaction
 from django.utils import timezone
 
-from django_idempotency import signals
+from django_idempotency import signals, tracing
 from django_idempotency.exceptions import IdempotencyError
 from django_idempotency.models import ProcessedMessage
 
@@ -32,6 +32,9 @@ DERIVED_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "urn:django-idempotency:de
 
 #: Celery message header carrying the outbox event id (see publishers/celery.py).
 EVENT_ID_HEADER = "event_id"
+
+#: The CONSUMER span around each consumption, linked to the span that published the message.
+CONSUME_SPAN = "outbox.consume"
 
 _MAX_LENGTH = 255
 
@@ -84,12 +87,18 @@ def _text(name: str, value: Any) -> str:
 
 @contextmanager
 def consume_once(
-    consumer: str, message_id: str | uuid.UUID, *, using: str | None = None
+    consumer: str,
+    message_id: str | uuid.UUID,
+    *,
+    using: str | None = None,
+    traceparent: str | None = None,
 ) -> Iterator[Consumption]:
     """Handle ``message_id`` at most once per ``consumer`` (see :class:`Consumption`).
 
     The block runs in a transaction (a savepoint inside an outer one) with the marker inserted
-    first; put the handler's database writes inside it.
+    first; put the handler's database writes inside it. With OpenTelemetry, it runs in an
+    ``outbox.consume`` span linked to ``traceparent``: pass the message's ``traceparent``
+    header, and the span leads back to the request that published the message.
     """
     consumption = Consumption(
         consumer=_text("consumer", consumer),
@@ -97,9 +106,20 @@ def consume_once(
         duplicate=False,
     )
     using = using or router.db_for_write(ProcessedMessage)
-    with transaction.atomic(using=using):
-        if not _insert_marker(consumption, using):
-            consumption.duplicate = True
+    attributes: dict[str, tracing.AttributeValue] = {
+        "messaging.operation.type": "process",
+        "messaging.message.id": consumption.message_id,
+        "idempotency.consumer": consumption.consumer,
+    }
+    # The span encloses the transaction, so it also covers (and records a failure of) the commit.
+    with (
+        tracing.consumer_span(CONSUME_SPAN, traceparent, attributes=attributes) as span,
+        transaction.atomic(using=using),
+    ):
+        consumption.duplicate = not _insert_marker(consumption, using)
+        if span is not None:
+            span.set_attribute("idempotency.duplicate", consumption.duplicate)
+        if consumption.duplicate:
             logger.info(
                 "duplicate message skipped",
                 extra={"consumer": consumption.consumer, "message_id": consumption.message_id},
@@ -157,7 +177,10 @@ def idempotent_consumer(
             task = _running_task(args)
             name = consumer or task.name
             message_id = _message_id(task, kwargs, message_id_arg)
-            with consume_once(name, message_id, using=using) as consumption:
+            traceparent = _header(task.request, tracing.TRACEPARENT)
+            with consume_once(
+                name, message_id, using=using, traceparent=traceparent
+            ) as consumption:
                 if not consumption:
                     return None
                 return body(*args, **kwargs)
@@ -192,12 +215,17 @@ def _message_id(task: Any, kwargs: dict[str, Any], message_id_arg: str | None) -
             )
         return str(kwargs[message_id_arg])
     request = task.request
-    headers = getattr(request, "headers", None) or {}
-    event_id = getattr(request, EVENT_ID_HEADER, None) or headers.get(EVENT_ID_HEADER)
-    message_id = event_id or request.id
+    message_id = _header(request, EVENT_ID_HEADER) or request.id
     if not message_id:
         raise IdempotencyError(
             f"{task.name} was called without a task id or event_id header; call it through "
             "Celery (delay, apply_async, apply) or pass message_id_arg."
         )
     return str(message_id)
+
+
+def _header(request: Any, name: str) -> Any:
+    """A custom message header: a worker sets it on the request, an eager ``apply()`` in
+    ``request.headers``."""
+    headers = getattr(request, "headers", None) or {}
+    return getattr(request, name, None) or headers.get(name)

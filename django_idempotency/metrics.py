@@ -1,4 +1,5 @@
-"""Prometheus counters and histograms, fed by the signals in ``signals.py``.
+"""Prometheus counters and histograms fed by the signals in ``signals.py``, and the outbox
+gauges (:class:`OutboxCollector`), read from the database when scraped.
 
 Optional: ``pip install 'django-idempotency[metrics]'``. ``AppConfig.ready()`` connects the
 receivers when ``prometheus_client`` imports; ``IDEMPOTENCY["METRICS"] = False`` makes them do
@@ -11,14 +12,21 @@ No label carries a scope or a key: their number is unbounded, which would blow u
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
+from django.db import DatabaseError, connections, router
 from django.dispatch import Signal
+from django.utils import timezone
 from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from django_idempotency import signals
+from django_idempotency import health, signals
 from django_idempotency.conf import conf
+from django_idempotency.models import OutboxEvent
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "django_idempotency_"
 
@@ -49,6 +57,35 @@ CLAIM_DURATION = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
 
+OUTBOX_PUBLISHED = Counter(
+    PREFIX + "outbox_events_published",
+    "Outbox events the broker accepted, by publisher class.",
+    ["publisher"],
+)
+OUTBOX_PUBLISH_LATENCY = Histogram(
+    PREFIX + "outbox_publish_latency_seconds",
+    "Time from publish() in the business transaction to the broker accepting the event.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0),
+)
+OUTBOX_PUBLISH_FAILURES = Counter(
+    PREFIX + "outbox_publish_failures",
+    "Failed attempts to publish an outbox event; each is retried with backoff until DEAD.",
+)
+OUTBOX_DEAD = Counter(
+    PREFIX + "outbox_events_dead",
+    "Outbox events that failed OUTBOX_MAX_ATTEMPTS times and went DEAD.",
+)
+CONSUMER_DUPLICATES = Counter(
+    PREFIX + "consumer_duplicates_skipped",
+    "Messages a consumer had handled already and skipped, by consumer.",
+    ["consumer"],
+)
+SWEPT_ROWS = Counter(
+    PREFIX + "swept_rows",
+    "Rows the sweeps deleted, by sweep: idempotency_records, outbox_events, processed_messages.",
+    ["sweep"],
+)
+
 Receiver = Callable[..., None]
 
 
@@ -62,14 +99,28 @@ def _counting(counter: Counter, **labels: str) -> Receiver:
     return receiver
 
 
-def _count_release(sender: Any, *, reason: str = "unknown", **kwargs: Any) -> None:
-    if conf.METRICS:
-        RELEASES.labels(reason=reason).inc()
+def _counting_by(counter: Counter, label: str, *, amount: str | None = None) -> Receiver:
+    """Count by the signal's ``label`` argument; by its ``amount`` argument instead of 1."""
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        if conf.METRICS:
+            child = counter.labels(**{label: str(kwargs.get(label) or "unknown")})
+            child.inc(kwargs[amount] if amount else 1)
+
+    return receiver
 
 
 def _time_claim(sender: Any, *, outcome: str, duration: float, **kwargs: Any) -> None:
     if conf.METRICS:
         CLAIM_DURATION.labels(outcome=outcome).observe(duration)
+
+
+def _count_published(sender: Any, *, event: Any, publisher: str = "", **kwargs: Any) -> None:
+    if conf.METRICS:
+        OUTBOX_PUBLISHED.labels(publisher=publisher or "unknown").inc()
+        if event.published_at is not None and event.created_at is not None:
+            waited = (event.published_at - event.created_at).total_seconds()
+            OUTBOX_PUBLISH_LATENCY.observe(max(waited, 0.0))
 
 
 #: Each signal and the receiver that counts it; the receivers are held here, so the signals can
@@ -82,8 +133,13 @@ RECEIVERS: tuple[tuple[Signal, Receiver], ...] = (
     (signals.key_taken_over, _counting(TAKEOVERS)),
     (signals.lease_lost, _counting(LEASES_LOST)),
     (signals.request_completed, _counting(COMPLETIONS)),
-    (signals.key_released, _count_release),
+    (signals.key_released, _counting_by(RELEASES, "reason")),
     (signals.claim_finished, _time_claim),
+    (signals.event_published, _count_published),
+    (signals.publish_failed, _counting(OUTBOX_PUBLISH_FAILURES)),
+    (signals.event_dead, _counting(OUTBOX_DEAD)),
+    (signals.duplicate_skipped, _counting_by(CONSUMER_DUPLICATES, "consumer")),
+    (signals.rows_swept, _counting_by(SWEPT_ROWS, "sweep", amount="count")),
 )
 
 
@@ -91,3 +147,72 @@ def connect() -> None:
     """Connect every receiver once (``dispatch_uid`` makes a second call harmless)."""
     for index, (signal, receiver) in enumerate(RECEIVERS):
         signal.connect(receiver, dispatch_uid=f"django_idempotency.metrics.{index}")
+
+
+# --- gauges read from the database when scraped ------------------------------------------------
+
+
+class OutboxCollector:
+    """The outbox's backlog, the age of its oldest pending event and its DEAD events, read
+    from the database each time the registry is scraped.
+
+    Register it on the registry you serve, once: ``REGISTRY.register(OutboxCollector())`` in a
+    single process, or beside ``MultiProcessCollector`` in the metrics view under gunicorn.
+    Being read at scrape time, the values are never stale and never summed over processes,
+    and no relay has to be running for them to be right. The reads are the health panel's:
+    bounded, through the relay index (exact up to 10,000 rows; above that PostgreSQL's planner
+    estimate, or 10,000 elsewhere, a lower bound).
+    """
+
+    def __init__(self, using: str | None = None) -> None:
+        self.using = using
+
+    def describe(self) -> list[Metric]:
+        # Names only, so registering never touches the database.
+        return list(_outbox_families())
+
+    def collect(self) -> list[Metric]:
+        if not conf.METRICS:
+            return []
+        try:
+            outbox = self._read()
+        except DatabaseError:
+            logger.warning("outbox gauges: the database could not be read", exc_info=True)
+            return []
+        pending, oldest, dead = _outbox_families()
+        pending.add_metric([], outbox.pending.value)
+        age = 0.0
+        if outbox.oldest_pending_at is not None:
+            age = max((timezone.now() - outbox.oldest_pending_at).total_seconds(), 0.0)
+        oldest.add_metric([], age)
+        dead.add_metric([], outbox.dead.value)
+        return [pending, oldest, dead]
+
+    def _read(self) -> health.OutboxHealth:
+        alias = self.using or router.db_for_read(OutboxEvent)
+        connection = connections[alias]
+        # A scrape may come on a thread of its own (start_http_server): leave no connection
+        # open behind it, but never close one a request was using.
+        opened_here = connection.connection is None
+        try:
+            return health.outbox_health(alias)
+        finally:
+            if opened_here and not connection.in_atomic_block:
+                connection.close()
+
+
+def _outbox_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+    return (
+        GaugeMetricFamily(
+            PREFIX + "outbox_pending_events",
+            "Outbox events waiting to be published (PENDING): the relay's backlog.",
+        ),
+        GaugeMetricFamily(
+            PREFIX + "outbox_oldest_pending_age_seconds",
+            "Age of the oldest PENDING outbox event; 0 when none waits.",
+        ),
+        GaugeMetricFamily(
+            PREFIX + "outbox_dead_events",
+            "Outbox events that are DEAD and wait for a person to retry or discard them.",
+        ),
+    )

@@ -189,6 +189,18 @@ class OutboxEvent(models.Model):
         ),
     )
     created_at = models.DateTimeField(_("created at"), help_text=_("When the event was written."))
+    # Nullable with no default: adding the column is then a catalog-only change on every
+    # backend (SQLite included), never a rewrite of a large outbox table. NULL means "no trace".
+    traceparent = models.CharField(  # noqa: DJ001
+        _("traceparent"),
+        max_length=128,
+        null=True,
+        blank=True,
+        help_text=_(
+            "W3C traceparent of the span that published the event (an HTTP request, say); "
+            "publishers send it with the message so the consumer's span links back to it."
+        ),
+    )
     published_at = models.DateTimeField(
         _("published at"),
         null=True,

@@ -1,8 +1,9 @@
 """Layer 3, writing side: ``publish()`` puts an event in the caller's transaction.
 
 The event commits or rolls back with the business writes it describes; the relay (relay.py)
-sends it after commit. Also the state changes people make on events (``retry_dead``,
-``discard``), kept here so the admin and scripts call the same code.
+sends it after commit. The event keeps the W3C ``traceparent`` of the span that published it
+(the HTTP request, say), so the consumer's span can link back to it. ``retry_dead`` and
+``discard`` are the short forms of the operator's actions in operations.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from django.db import IntegrityError, connections, router, transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from django_idempotency import signals
+from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import DuplicateEventId, TransactionRequired
 from django_idempotency.inbox import derived_event_id
@@ -94,6 +95,7 @@ def publish(
         key=_text("key", "" if key is None else str(key), required=False),
         payload=_json("payload", payload),
         headers=_json("headers", _headers(headers)),
+        traceparent=tracing.current_traceparent(),
     )
     resolve_route(event.topic)  # an unroutable topic fails now, not after the commit
     now = timezone.now()
@@ -175,29 +177,25 @@ def _json(name: str, value: Any) -> Any:
 # --- services for people (the admin, scripts) --------------------------------------------------
 
 
+def kick_after_commit(using: str) -> None:
+    """Kick the relay once the current transaction commits (at once outside one)."""
+    transaction.on_commit(_AfterCommit(using, 0), using=using, robust=True)
+
+
 def retry_dead(queryset: QuerySet[OutboxEvent] | None = None) -> int:
     """Bring DEAD events back to PENDING with a fresh attempt count; returns how many.
 
     The relay picks them up on its next pass, in their original order: they keep their ids.
+    :func:`~django_idempotency.operations.retry_events` also retries failing PENDING events.
     """
+    from django_idempotency.operations import retry_events
+
     events = queryset if queryset is not None else OutboxEvent.objects.all()
-    now = timezone.now()
-    count = events.filter(status=OutboxStatus.DEAD).update(
-        status=OutboxStatus.PENDING,
-        attempts=0,
-        next_attempt_at=now,
-        locked_until=None,
-        relay_token=None,
-    )
-    if count:
-        logger.info("outbox: %d dead events queued for retry", count, extra={"outbox_count": count})
-        transaction.on_commit(_AfterCommit(events.db, 0), using=events.db, robust=True)
-    return count
+    return retry_events(events.filter(status=OutboxStatus.DEAD)).changed
 
 
 def discard(queryset: QuerySet[OutboxEvent]) -> int:
     """Delete DEAD events for good, releasing the events queued behind them on their keys."""
-    count, _ = queryset.filter(status=OutboxStatus.DEAD).delete()
-    if count:
-        logger.warning("outbox: %d dead events discarded", count, extra={"outbox_count": count})
-    return count
+    from django_idempotency.operations import discard_events
+
+    return discard_events(queryset.filter(status=OutboxStatus.DEAD)).changed

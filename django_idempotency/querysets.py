@@ -106,6 +106,12 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         now = now or timezone.now()
         return self.filter(lease_free_q(now), status=OutboxStatus.PENDING, next_attempt_at__lte=now)
 
+    def failed(self) -> OutboxEventQuerySet:
+        """DEAD events, and PENDING ones that failed at least once and wait for their retry."""
+        return self.filter(
+            Q(status=OutboxStatus.DEAD) | Q(status=OutboxStatus.PENDING, attempts__gt=0)
+        )
+
     def leased(self, now: datetime | None = None) -> OutboxEventQuerySet:
         """Claimed by a relay whose lease still runs."""
         return self.filter(status=OutboxStatus.PENDING, locked_until__gt=now or timezone.now())

@@ -61,7 +61,7 @@ from django.db.models import BigIntegerField, Case, Exists, OuterRef, Q, Value, 
 from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
-from django_idempotency import signals
+from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import OutboxError
 from django_idempotency.models import OutboxEvent
@@ -98,6 +98,8 @@ _OWN_TRANSACTION = "pg_current_xact_id_if_assigned()::text::bigint"
 _NO_BOUND = 2**63 - 1
 #: Share of the lease a batch may spend publishing before it stops and releases the rest.
 _LEASE_BUDGET = 0.8
+#: The PRODUCER span around each batch handed to a publisher, linked to the publishing spans.
+SEND_SPAN = "outbox.publish"
 
 
 @dataclass(slots=True)
@@ -367,13 +369,17 @@ class Relay:
     @staticmethod
     def _send(publisher: Publisher, group: list[OutboxEvent]) -> list[BaseException | None]:
         messages = [OutboxMessage.from_event(event) for event in group]
-        try:
-            results = list(publisher.publish_many(messages))
-        except Exception as exc:
-            return [exc] * len(group)
-        if len(results) != len(group):
-            error = OutboxError(f"{type(publisher).__name__}.publish_many returned a wrong count")
-            return [error] * len(group)
+        with tracing.producer_span(
+            SEND_SPAN,
+            [message.traceparent for message in messages],
+            attributes=_send_attributes(publisher, messages),
+        ) as span:
+            results = _publish_many(publisher, messages)
+            if span is not None:
+                failures = [error for error in results if error is not None]
+                span.set_attribute("outbox.failed", len(failures))
+                if failures:
+                    tracing.set_error(span, _describe(failures[0]))
         return results
 
     # --- acknowledge --------------------------------------------------------------------------
@@ -476,6 +482,33 @@ class Relay:
                 stats.lost,
                 extra={"outbox_lost": stats.lost},
             )
+
+
+def _publish_many(
+    publisher: Publisher, messages: list[OutboxMessage]
+) -> list[BaseException | None]:
+    try:
+        results = list(publisher.publish_many(messages))
+    except Exception as exc:
+        return [exc] * len(messages)
+    if len(results) != len(messages):
+        error = OutboxError(f"{type(publisher).__name__}.publish_many returned a wrong count")
+        return [error] * len(messages)
+    return results
+
+
+def _send_attributes(
+    publisher: Publisher, messages: list[OutboxMessage]
+) -> dict[str, tracing.AttributeValue]:
+    attributes: dict[str, tracing.AttributeValue] = {
+        "messaging.operation.type": "send",
+        "messaging.batch.message_count": len(messages),
+        "outbox.publisher": type(publisher).__name__,
+    }
+    topics = {message.topic for message in messages}
+    if len(topics) == 1:
+        attributes["messaging.destination.name"] = topics.pop()
+    return attributes
 
 
 def _describe(error: BaseException) -> str:

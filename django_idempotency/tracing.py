@@ -7,7 +7,7 @@ wherever the application's tracer provider sends them (nowhere until one is conf
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,11 @@ def step_span(
         yield span
 
 
+def set_error(span: Span, description: str) -> None:
+    """Mark ``span`` as failed (ERROR status) without an exception to record."""
+    span.set_status(otel_trace.StatusCode.ERROR, description)
+
+
 def current_traceparent() -> str | None:
     """The W3C ``traceparent`` of the current span, to store beside an event it causes.
 
@@ -67,6 +72,21 @@ def current_traceparent() -> str | None:
     carrier: dict[str, str] = {}
     TraceContextTextMapPropagator().inject(carrier)
     return carrier.get(TRACEPARENT)
+
+
+def _links(traceparents: Iterable[str | None]) -> list[otel_trace.Link]:
+    """One link per distinct valid ``traceparent``; missing and malformed ones are skipped."""
+    links: list[otel_trace.Link] = []
+    seen: set[str] = set()
+    for traceparent in traceparents:
+        if not traceparent or traceparent in seen:
+            continue
+        seen.add(traceparent)
+        context = TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent})
+        linked = otel_trace.get_current_span(context).get_span_context()
+        if linked.is_valid:
+            links.append(otel_trace.Link(linked))
+    return links
 
 
 @contextmanager
@@ -82,19 +102,40 @@ def consumer_span(
     say), and tracing back-ends follow the link to the HTTP request that published the message.
     A missing or malformed ``traceparent`` gives a span without a link.
     """
+    with _linked_span(name, "CONSUMER", [traceparent], attributes) as span:
+        yield span
+
+
+@contextmanager
+def producer_span(
+    name: str,
+    traceparents: Iterable[str | None],
+    *,
+    attributes: Mapping[str, AttributeValue] | None = None,
+) -> Iterator[Span | None]:
+    """A PRODUCER span for sending a batch, linked to the span that published each message.
+
+    The relay runs in a trace of its own; one span per batch sent to a publisher, with a link to
+    each distinct stored ``traceparent``, as the messaging conventions do for batches.
+    """
+    with _linked_span(name, "PRODUCER", traceparents, attributes) as span:
+        yield span
+
+
+@contextmanager
+def _linked_span(
+    name: str,
+    kind: str,
+    traceparents: Iterable[str | None],
+    attributes: Mapping[str, AttributeValue] | None,
+) -> Iterator[Span | None]:
     if not enabled():
         yield None
         return
-    links = []
-    if traceparent:
-        context = TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent})
-        linked = otel_trace.get_current_span(context).get_span_context()
-        if linked.is_valid:
-            links.append(otel_trace.Link(linked))
     with _tracer().start_as_current_span(
         name,
-        kind=otel_trace.SpanKind.CONSUMER,
-        links=links,
+        kind=otel_trace.SpanKind[kind],
+        links=_links(traceparents),
         attributes=dict(attributes or {}),
     ) as span:
         yield span

@@ -86,3 +86,33 @@ def released():
     signals.key_released.connect(receiver)
     yield seen
     signals.key_released.disconnect(receiver)
+
+
+@pytest.fixture(scope="session")
+def span_exporter() -> Any:
+    """One in-memory exporter for the whole run: the global tracer provider can be set once."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return exporter
+
+
+@pytest.fixture
+def spans(span_exporter: Any) -> Iterator[Any]:
+    """The exporter, emptied before and after the test: ``spans.get_finished_spans()``."""
+    span_exporter.clear()
+    yield span_exporter
+    span_exporter.clear()
+
+
+@pytest.fixture
+def tracer(span_exporter: Any) -> Any:
+    from opentelemetry import trace
+
+    return trace.get_tracer("tests")

@@ -12,8 +12,8 @@ from django.utils import timezone
 from factory.django import DjangoModelFactory
 
 from django_idempotency.engine import Identity
-from django_idempotency.models import IdempotencyRecord
-from django_idempotency.querysets import COMPLETED, PROCESSING
+from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
+from django_idempotency.querysets import COMPLETED, PROCESSING, OutboxStatus
 
 
 def _ago(seconds: float):
@@ -59,6 +59,43 @@ class IdempotencyRecordFactory(DjangoModelFactory):
     created_at = _ago(120)
     completed_at = factory.SelfAttribute("created_at")
     expires_at = _ago(-86400)
+
+
+class OutboxEventFactory(DjangoModelFactory):
+    """A PENDING event, due, never tried; traits ``published``, ``dead``, ``failing`` (pending
+    a retry after two failures) and ``leased`` (a relay is publishing it)."""
+
+    class Meta:
+        model = OutboxEvent
+
+    class Params:
+        published = factory.Trait(status=OutboxStatus.PUBLISHED, published_at=_ago(60))
+        dead = factory.Trait(
+            status=OutboxStatus.DEAD, attempts=10, last_error="PublishError: the broker said no"
+        )
+        failing = factory.Trait(
+            attempts=2, next_attempt_at=_ago(-300), last_error="BrokerUnavailable: timed out"
+        )
+        leased = factory.Trait(locked_until=_ago(-60), relay_token=factory.LazyFunction(uuid.uuid4))
+
+    event_id = factory.LazyFunction(uuid.uuid4)
+    topic = "orders.paid"
+    key = ""
+    payload = factory.LazyFunction(lambda: {"order_id": 1, "total": "10.00"})
+    headers = factory.LazyFunction(dict)
+    status = OutboxStatus.PENDING
+    attempts = 0
+    next_attempt_at = _ago(120)
+    created_at = _ago(120)
+
+
+class ProcessedMessageFactory(DjangoModelFactory):
+    class Meta:
+        model = ProcessedMessage
+
+    consumer = "billing"
+    message_id = factory.Sequence(lambda n: f"message-{n:05d}")
+    processed_at = _ago(60)
 
 
 class UserFactory(DjangoModelFactory):

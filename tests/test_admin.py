@@ -7,13 +7,12 @@ from datetime import timedelta
 
 import pytest
 from django.contrib import admin
-from django.contrib.admin import helpers
-from django.contrib.auth.models import Permission, User
 from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone
 
-from django_idempotency.models import IdempotencyRecord
+from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
+from tests.admin_support import login, messages_of, post_action
 from tests.factories import IdempotencyRecordFactory
 
 pytestmark = pytest.mark.django_db
@@ -29,20 +28,6 @@ def detail(record: IdempotencyRecord) -> str:
     return reverse("admin:django_idempotency_idempotencyrecord_change", args=[record.pk])
 
 
-def login(*codenames: str, superuser: bool = False) -> Client:
-    user = User.objects.create_user(f"user-{User.objects.count()}", is_staff=True)
-    user.is_superuser = superuser
-    user.save()
-    user.user_permissions.set(
-        Permission.objects.filter(
-            content_type__app_label="django_idempotency", codename__in=codenames
-        )
-    )
-    client = Client()
-    client.force_login(user)
-    return client
-
-
 @pytest.fixture
 def superuser() -> Client:
     return login(superuser=True)
@@ -54,14 +39,7 @@ def shown_keys(response) -> set[str]:
 
 
 def action(client: Client, name: str, records, query: str = "", **extra: str):
-    data = {"action": name, helpers.ACTION_CHECKBOX_NAME: [r.pk for r in records], **extra}
-    if "post" not in extra:
-        data["index"] = "0"
-    return client.post(changelist(query), data, follow=True)
-
-
-def messages_of(response) -> list[str]:
-    return [f"{m.level_tag}: {m}" for m in response.context["messages"]]
+    return post_action(client, changelist(query), name, records, **extra)
 
 
 @pytest.fixture
@@ -91,7 +69,7 @@ def test_changelist_lists_records_with_their_columns(superuser, records):
 
 def test_health_panel_shows_records_by_status_and_stuck_keys(superuser, records):
     response = superuser.get(changelist())
-    (section,) = response.context["idempotency_health"].sections
+    section, _outbox = response.context["idempotency_health"].sections
     figures = {item["figure"].label: item for item in section["figures"]}
     assert figures["processing"]["figure"].value == "2"
     assert figures["completed"]["figure"].value == "3"
@@ -284,15 +262,17 @@ def test_no_permission_no_page(records):
 def test_registration_can_be_switched_off():
     from django_idempotency import admin as idempotency_admin
 
-    admin.site.unregister(IdempotencyRecord)
+    models = (IdempotencyRecord, OutboxEvent, ProcessedMessage)
+    for model in models:
+        admin.site.unregister(model)
     try:
         with override_settings(IDEMPOTENCY={"REGISTER_ADMIN": False}):
             importlib.reload(idempotency_admin)
-        assert not admin.site.is_registered(IdempotencyRecord)
+        assert not any(admin.site.is_registered(model) for model in models)
         site = admin.AdminSite(name="custom")
         idempotency_admin.register(site)
-        assert site.is_registered(IdempotencyRecord)
+        assert all(site.is_registered(model) for model in models)
     finally:
         if not admin.site.is_registered(IdempotencyRecord):
             importlib.reload(idempotency_admin)
-    assert admin.site.is_registered(IdempotencyRecord)
+    assert all(admin.site.is_registered(model) for model in models)

@@ -11,8 +11,8 @@ from django.utils import timezone
 
 from django_idempotency import health
 from django_idempotency.admin import EstimatingPaginator
-from django_idempotency.models import IdempotencyRecord
-from tests.factories import IdempotencyRecordFactory
+from django_idempotency.models import IdempotencyRecord, OutboxEvent
+from tests.factories import IdempotencyRecordFactory, OutboxEventFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -114,3 +114,64 @@ def test_sections_are_extensible(monkeypatch, admin_client):
     html = response.content.decode()
     assert "Outbox" in html
     assert '<span class="value">7</span>' in html
+
+
+# --- the outbox section -------------------------------------------------------------------------
+
+
+def test_outbox_section():
+    now = timezone.now()
+    OutboxEventFactory(created_at=now - timedelta(minutes=5))
+    OutboxEventFactory.create_batch(2, failing=True)
+    OutboxEventFactory.create_batch(3, dead=True)
+    OutboxEventFactory.create_batch(4, published=True)
+    section = health.outbox_section(now)
+    assert section.model is OutboxEvent
+    assert [(f.label, f.value, f.query, f.alert) for f in section.figures] == [
+        ("pending", "3", "status__exact=PENDING", False),
+        ("oldest pending", "5\xa0minutes", "status__exact=PENDING", True),
+        ("dead", "3", "status__exact=DEAD", True),
+    ]
+
+
+def test_a_healthy_outbox_raises_no_alert():
+    now = timezone.now()
+    OutboxEventFactory(created_at=now - timedelta(seconds=3))
+    OutboxEventFactory(published=True, created_at=now - timedelta(days=3))
+    figures = {f.label: f for f in health.outbox_section(now).figures}
+    assert figures["oldest pending"].value == "3 s"
+    assert not any(figure.alert for figure in figures.values())
+    OutboxEvent.objects.all().delete()
+    figures = {f.label: f for f in health.outbox_section(now).figures}
+    assert (figures["pending"].value, figures["oldest pending"].value) == ("0", "–")
+
+
+def test_oldest_pending_waits_longer_than_a_relay_lease_before_it_alerts(idempotency_settings):
+    now = timezone.now()
+    OutboxEventFactory(created_at=now - timedelta(seconds=90))
+    assert {f.label: f.alert for f in health.outbox_section(now).figures}["oldest pending"]
+    idempotency_settings(OUTBOX_RELAY_LEASE_SECONDS=120)
+    assert not {f.label: f.alert for f in health.outbox_section(now).figures}["oldest pending"]
+
+
+def test_the_oldest_pending_event_is_found_at_the_head_of_the_relay_order(monkeypatch):
+    """Only the first OLDEST_PENDING_SAMPLE events in relay order are read, not the backlog."""
+    now = timezone.now()
+    monkeypatch.setattr(health, "OLDEST_PENDING_SAMPLE", 2)
+    head = [OutboxEventFactory(created_at=now - timedelta(minutes=m)) for m in (7, 9)]
+    OutboxEventFactory(created_at=now - timedelta(hours=1))  # third in line: not read
+    assert health.outbox_health().oldest_pending_at == head[1].created_at
+    OutboxEvent.objects.filter(pk=head[0].pk).update(status="PUBLISHED")
+    assert health.outbox_health().oldest_pending_at == now - timedelta(hours=1)
+
+
+def test_outbox_counts_stay_bounded(monkeypatch):
+    OutboxEventFactory.create_batch(4)
+    OutboxEventFactory.create_batch(4, dead=True)
+    monkeypatch.setattr(health, "COUNT_LIMIT", 3)
+    outbox = health.outbox_health()
+    for count in (outbox.pending, outbox.dead):
+        if connection.vendor == "postgresql":
+            assert count.kind == "estimate" and count.value >= 4
+        else:
+            assert count == health.RowCount(3, "at_least")

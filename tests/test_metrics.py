@@ -8,13 +8,13 @@ import pytest
 from django.http import HttpResponse
 from django.test import override_settings
 from django.utils import timezone
-from prometheus_client import REGISTRY
 
 from django_idempotency import engine
 from django_idempotency.exceptions import LeaseLost
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import release_records
 from django_idempotency.querysets import PROCESSING
+from tests.metrics_support import SampleDelta
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -34,27 +34,9 @@ SAMPLES = {
 }
 
 
-class Metrics:
-    """Every sample's change since the fixture was created."""
-
-    def __init__(self) -> None:
-        self.start = self.read()
-
-    @staticmethod
-    def read() -> dict[str, float]:
-        return {
-            name: REGISTRY.get_sample_value(metric, labels) or 0.0
-            for name, (metric, labels) in SAMPLES.items()
-        }
-
-    def delta(self) -> dict[str, float]:
-        now = self.read()
-        return {name: now[name] - self.start[name] for name in now if now[name] != self.start[name]}
-
-
 @pytest.fixture
-def metrics() -> Metrics:
-    return Metrics()
+def metrics() -> SampleDelta:
+    return SampleDelta(SAMPLES)
 
 
 def post(client, key, **body):

@@ -1,4 +1,5 @@
-"""Counts from several gunicorn workers add up through prometheus_client's multiprocess mode."""
+"""Counts from several gunicorn workers add up through prometheus_client's multiprocess mode,
+and the outbox gauges, read from the database when scraped, are reported once."""
 
 from __future__ import annotations
 
@@ -11,15 +12,22 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from django.db import connection
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.factories import OutboxEventFactory
 
 ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
 
 
 def free_port() -> int:
@@ -39,6 +47,11 @@ def post(url: str, key: str) -> int:
         return int(response.status)
 
 
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return str(response.read().decode())
+
+
 def wait_until_serving(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -55,14 +68,13 @@ def wait_until_serving(url: str, server: subprocess.Popen[bytes], log: Path) -> 
     pytest.fail(f"gunicorn did not start:\n{log.read_text()}")
 
 
-@pytest.mark.concurrency
-@pytest.mark.django_db(transaction=True)
-def test_gunicorn_workers_share_one_set_of_counts(tmp_path):
-    metrics_dir = tmp_path / "prometheus"
-    metrics_dir.mkdir()
+@contextmanager
+def gunicorn(tmp_path: Path, metrics_dir: Path) -> Iterator[str]:
+    """Two gunicorn workers in multiprocess mode, as docs/metrics.md sets them up; yields the
+    base URL."""
     log = tmp_path / "gunicorn.log"
     port = free_port()
-    url = f"http://127.0.0.1:{port}/api/widget/"
+    base = f"http://127.0.0.1:{port}"
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
@@ -82,14 +94,27 @@ def test_gunicorn_workers_share_one_set_of_counts(tmp_path):
     with log.open("wb") as output:
         server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=output, stderr=output)
     try:
-        wait_until_serving(url, server, log)
+        wait_until_serving(f"{base}/api/widget/", server, log)
+        yield base
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+@pytest.fixture
+def metrics_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "prometheus"
+    path.mkdir()
+    return path
+
+
+def test_gunicorn_workers_share_one_set_of_counts(tmp_path, metrics_dir):
+    with gunicorn(tmp_path, metrics_dir) as base:
+        url = f"{base}/api/widget/"
         keys = [f"mp-{uuid.uuid4()}" for _ in range(8)]
         with ThreadPoolExecutor(max_workers=4) as pool:
             assert set(pool.map(lambda key: post(url, key), keys)) == {201}
             assert set(pool.map(lambda key: post(url, key), keys)) == {201}  # replays
-    finally:
-        server.terminate()
-        server.wait(60)
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(metrics_dir))
@@ -103,3 +128,37 @@ def test_gunicorn_workers_share_one_set_of_counts(tmp_path):
         == 8
     )
     assert list(metrics_dir.glob("counter_*.db")), "workers wrote no sample files"
+
+
+def samples(exposition: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], list[float]]:
+    """Every sample of a scrape, by name and labels; a list, so a repeated series shows."""
+    found: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            found.setdefault(key, []).append(sample.value)
+    return found
+
+
+def test_relays_in_several_workers_add_up_and_the_outbox_gauges_come_once(tmp_path, metrics_dir):
+    OutboxEventFactory.create_batch(10)
+    OutboxEventFactory.create_batch(2, dead=True)
+    pending = ("django_idempotency_outbox_pending_events", ())
+    dead = ("django_idempotency_outbox_dead_events", ())
+    published = (
+        "django_idempotency_outbox_events_published_total",
+        (("publisher", "MemoryPublisher"),),
+    )
+    latency = ("django_idempotency_outbox_publish_latency_seconds_count", ())
+    with gunicorn(tmp_path, metrics_dir) as base:
+        before = samples(get(f"{base}/metrics/"))
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            relays = list(pool.map(lambda _: json.loads(get(f"{base}/plain/relay/")), range(8)))
+        after = samples(get(f"{base}/metrics/"))
+    # Read at scrape time, once per scrape, whichever worker answers.
+    assert (before[pending], before[dead]) == ([10], [2])
+    assert (after[pending], after[dead]) == ([0], [2])
+    assert published not in before
+    # The relays ran in the workers; their counts add up over the processes.
+    assert sum(relay["published"] for relay in relays) == 10
+    assert after[published] == [10] and after[latency] == [10]

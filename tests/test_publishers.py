@@ -26,8 +26,11 @@ from django_idempotency.relay import Relay
 from tests.outbox_support import publish_committed, settings_with
 from tests.proxy import tcp_proxy
 
+#: A W3C traceparent as ``publish()`` stores it from the request's span.
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
-def message(topic="orders.paid", payload=None, key="order-1", **headers):
+
+def message(topic="orders.paid", payload=None, key="order-1", traceparent=None, **headers):
     return OutboxMessage(
         event_id=uuid.uuid4(),
         topic=topic,
@@ -35,6 +38,7 @@ def message(topic="orders.paid", payload=None, key="order-1", **headers):
         payload={"total": "9.99"} if payload is None else payload,
         headers=headers,
         created_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+        traceparent=traceparent,
     )
 
 
@@ -108,12 +112,13 @@ def test_base_publish_many_stops_the_batch_when_the_broker_is_unavailable():
 
 
 def test_logging_publisher_logs_the_event(caplog):
-    sent = message()
+    sent = message(traceparent=TRACEPARENT)
     with caplog.at_level(logging.INFO, logger="django_idempotency.publishers.log"):
         LoggingPublisher(level="WARNING").publish(sent)
     record = caplog.records[-1]
     assert record.levelno == logging.WARNING
     assert record.outbox_event_id == str(sent.event_id) and record.outbox_topic == "orders.paid"
+    assert record.outbox_traceparent == TRACEPARENT
 
 
 # --- Celery -----------------------------------------------------------------------------------
@@ -125,7 +130,7 @@ def test_celery_publisher_sends_the_task_with_the_event_id_as_task_id():
     app = Celery("publisher-test", set_as_current=False, broker="memory://")
     queue = f"q-{uuid.uuid4().hex}"
     publisher = CeleryPublisher(app=app, task="tests.testapp.tasks.record_effect", queue=queue)
-    sent = message(payload={"name": "celery"}, tenant="acme")
+    sent = message(payload={"name": "celery"}, traceparent=TRACEPARENT, tenant="acme")
     publisher.publish(sent)
     other = message(payload=["positional"])
     CeleryPublisher(app=app, queue=queue).publish(other)
@@ -137,6 +142,8 @@ def test_celery_publisher_sends_the_task_with_the_event_id_as_task_id():
     assert first.headers["task"] == "tests.testapp.tasks.record_effect"
     assert first.headers["event_id"] == str(sent.event_id)
     assert first.headers["event_key"] == "order-1" and first.headers["tenant"] == "acme"
+    assert first.headers["traceparent"] == TRACEPARENT
+    assert "traceparent" not in second.headers  # published outside any trace
     args, kwargs, _ = first.payload
     assert (args, kwargs) == ([], {"name": "celery"})
     assert second.headers["task"] == "orders.paid"
@@ -194,11 +201,14 @@ def receiver():
 
 def test_webhook_posts_signed_json_with_the_event_id_as_idempotency_key(receiver):
     publisher = WebhookPublisher(url=receiver.url, secret="s3cret", timeout=5)
-    sent = message(tenant="acme")
+    sent = message(tenant="acme", traceparent=TRACEPARENT)
     publisher.publish(sent)
+    publisher.publish(message())
     publisher.close()
     headers, body = receiver.requests[0]
     assert headers["Idempotency-Key"] == str(sent.event_id)
+    assert headers["traceparent"] == TRACEPARENT
+    assert "traceparent" not in {name.lower() for name in receiver.requests[1][0]}
     assert headers["Content-Type"] == "application/json"
     assert verify_signature("s3cret", body, headers["Webhook-Signature"])
     assert not verify_signature("other", body, headers["Webhook-Signature"])
@@ -292,7 +302,8 @@ def rabbit(amqp_url):
 
 def test_amqp_publishes_persistent_messages_with_the_event_id(rabbit):
     publisher = AMQPPublisher(url=rabbit["url"], exchange=rabbit["exchange"])
-    batch = [message(payload={"n": n}, tenant="acme") for n in range(5)]
+    batch = [message(payload={"n": n}, tenant="acme", traceparent=TRACEPARENT) for n in range(4)]
+    batch.append(message(payload={"n": 4}, tenant="acme"))
     assert publisher.publish_many(batch) == [None] * 5
     publisher.close()
     received = rabbit["drain"](5)
@@ -303,6 +314,8 @@ def test_amqp_publishes_persistent_messages_with_the_event_id(rabbit):
     assert first.properties["type"] == "orders.paid"
     assert first.headers["event_id"] == str(batch[0].event_id)
     assert first.headers["tenant"] == "acme" and first.headers["event_key"] == "order-1"
+    assert first.headers["traceparent"] == TRACEPARENT
+    assert "traceparent" not in received[4].headers
     assert json.loads(first.body) == {"n": 0}
 
 

@@ -6,38 +6,12 @@ import pytest
 from django.http import HttpResponse
 from django.test import override_settings
 from django.utils import timezone
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from django_idempotency import engine, tracing
 from django_idempotency.exceptions import LeaseLost
 from django_idempotency.keys import redact
 from django_idempotency.models import IdempotencyRecord
-
-
-@pytest.fixture(scope="session")
-def exporter() -> InMemorySpanExporter:
-    """One provider for the whole run: OpenTelemetry lets the global provider be set once."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    return exporter
-
-
-@pytest.fixture
-def spans(exporter):
-    exporter.clear()
-    yield exporter
-    exporter.clear()
-
-
-@pytest.fixture
-def tracer(exporter):
-    return trace.get_tracer("tests")
 
 
 def by_name(exporter):

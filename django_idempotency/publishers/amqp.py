@@ -159,6 +159,7 @@ class AMQPPublisher(Publisher):
                     **message.headers,
                     "event_id": str(message.event_id),
                     "event_key": message.key,
+                    **message.trace_headers(),
                 },
                 properties={
                     "message_id": str(message.event_id),

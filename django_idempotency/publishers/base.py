@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from django.core.serializers.json import DjangoJSONEncoder
 
 from django_idempotency.exceptions import BrokerUnavailable
+from django_idempotency.tracing import TRACEPARENT
 
 if TYPE_CHECKING:
     from django_idempotency.models import OutboxEvent
@@ -29,6 +30,9 @@ class OutboxMessage:
     created_at: datetime | None = None
     #: 1 for the first try; a republish after a failure or a lost lease counts up.
     attempt: int = 1
+    #: W3C ``traceparent`` of the span that published the event, if it was traced. Publishers
+    #: send it as the message's ``traceparent`` header (see :meth:`trace_headers`).
+    traceparent: str | None = None
 
     @classmethod
     def from_event(cls, event: OutboxEvent) -> OutboxMessage:
@@ -40,7 +44,12 @@ class OutboxMessage:
             headers=dict(event.headers or {}),
             created_at=event.created_at,
             attempt=event.attempts + 1,
+            traceparent=event.traceparent,
         )
+
+    def trace_headers(self) -> dict[str, str]:
+        """``{"traceparent": ...}`` when the event was published in a trace, else empty."""
+        return {TRACEPARENT: self.traceparent} if self.traceparent else {}
 
     def envelope(self) -> dict[str, Any]:
         """The event with its metadata, for transports without message properties (HTTP)."""

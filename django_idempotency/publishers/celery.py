@@ -53,6 +53,7 @@ class CeleryPublisher(Publisher):
             EVENT_ID_HEADER: str(message.event_id),
             EVENT_TOPIC_HEADER: message.topic,
             EVENT_KEY_HEADER: message.key,
+            **message.trace_headers(),
         }
         try:
             # retry=False: the relay's backoff is the retry policy; a blocking reconnect loop

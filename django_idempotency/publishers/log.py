@@ -27,5 +27,6 @@ class LoggingPublisher(Publisher):
                 "outbox_key": message.key,
                 "outbox_attempt": message.attempt,
                 "outbox_payload": message.payload,
+                "outbox_traceparent": message.traceparent,
             },
         )

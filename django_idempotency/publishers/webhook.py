@@ -81,6 +81,7 @@ class WebhookPublisher(Publisher):
             "Content-Type": "application/json",
             "Idempotency-Key": str(message.event_id),
             self.signature_header: f"t={timestamp},v1={sign(self.secret, timestamp, body)}",
+            **message.trace_headers(),
         }
         try:
             response = self._client.post(self.url, content=body, headers=request_headers)

@@ -23,6 +23,7 @@ from rest_framework.views import APIView
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
+from django_idempotency.outbox import publish
 from tests.testapp.models import Widget
 
 #: Tests set an event here to hold a view until they release it.
@@ -174,3 +175,36 @@ def raw_body_view(request: HttpRequest) -> HttpResponse:
         total += len(chunk)
     Widget.objects.create(name=f"raw:{total}")
     return JsonResponse({"bytes": total}, status=201)
+
+
+@idempotent
+def publish_view(request: HttpRequest) -> HttpResponse:
+    """An idempotent request that writes a widget and announces it through the outbox, in the
+    transaction the decorator opens."""
+    widget = Widget.objects.create(name=str(_json(request).get("name", "")))
+    payload = {"name": widget.name, "widget_id": widget.pk}
+    event = publish("widgets.created", payload, key=widget.pk)
+    return JsonResponse({"id": widget.pk, "event_id": str(event.event_id)}, status=201)
+
+
+def relay_view(request: HttpRequest) -> HttpResponse:
+    """Relays everything due from this (gunicorn worker) process: the multiprocess metrics test."""
+    from django_idempotency.relay import Relay
+
+    with Relay() as relay:
+        stats = relay.drain()
+    return JsonResponse({"pid": os.getpid(), **stats.as_dict()})
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """The metrics view docs/metrics.md shows for gunicorn: every worker's counters added up,
+    and the outbox gauges read once, from the database."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from django_idempotency.metrics import OutboxCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    registry.register(OutboxCollector())
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
