@@ -33,6 +33,8 @@ def test_celery_worker_applies_a_relayed_event_once_even_when_it_is_sent_again(
         sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
         "--pool=solo", "-Q", queue_name, "--without-heartbeat", "--without-gossip",
         "--without-mingle", "--loglevel=WARNING",
+        # A name of its own: its control queue must not clash with any other worker's.
+        f"--hostname={queue_name}@%h",
     ]  # fmt: skip
     routes = {
         "e2e.*": {
