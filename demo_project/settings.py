@@ -10,6 +10,7 @@ With none set, the demo needs nothing but Python: SQLite, no Redis, no broker.
 ``DEMO_FAULTS``        off by default: lets a request ask for a slow or crashing payment with the
                        ``X-Demo-Fault`` header (``make demo`` turns it on for the tour).
 ``IDEMPOTENCY_LEASE_SECONDS`` / ``IDEMPOTENCY_TTL_SECONDS``  the lease and retention of keys.
+``IDEMPOTENCY_RELAY_LEASE_SECONDS``  how long a relay holds the events it claimed.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ REST_FRAMEWORK: dict[str, Any] = {
 IDEMPOTENCY: dict[str, Any] = {
     "LEASE_SECONDS": env.float("IDEMPOTENCY_LEASE_SECONDS", default=30),
     "TTL_SECONDS": env.float("IDEMPOTENCY_TTL_SECONDS", default=86400),
+    "OUTBOX_RELAY_LEASE_SECONDS": env.float("IDEMPOTENCY_RELAY_LEASE_SECONDS", default=60),
     "ANONYMOUS_SCOPE": "anonymous",
 }
 
@@ -127,7 +129,7 @@ CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE}
 
 # Each payment event goes to its ledger task. With a broker, CeleryPublisher sends it (the task
 # id is the event id) and the worker runs it; without one, the relay runs in the web process and
-# hands the event straight to the task (demo_project/payments/publishers.py).
+# hands the event straight to the task (demo_project/payments/inprocess.py).
 LEDGER_TASKS = {
     "payment.completed": "demo_project.payments.tasks.record_payment",
     "payment.refunded": "demo_project.payments.tasks.record_refund",
@@ -138,7 +140,7 @@ LEDGER_PUBLISHER: dict[str, Any] = (
         "OPTIONS": {"app": "demo_project.celery.app"},
     }
     if CELERY_BROKER_URL
-    else {"BACKEND": "demo_project.payments.publishers.InProcessTaskPublisher", "OPTIONS": {}}
+    else {"BACKEND": "demo_project.payments.inprocess.InProcessTaskPublisher", "OPTIONS": {}}
 )
 IDEMPOTENCY["OUTBOX_PUBLISHERS"] = {
     topic: {**LEDGER_PUBLISHER, "OPTIONS": {**LEDGER_PUBLISHER["OPTIONS"], "task": task}}

@@ -1,7 +1,7 @@
 """The ledger consumer: one idempotent Celery task per payment event.
 
 The outbox sends each event as its task, with the event id as the task id (CeleryPublisher with
-a broker; demo_project/payments/publishers.py in-process without one), and the event's payload
+a broker; demo_project/payments/inprocess.py in-process without one), and the event's payload
 as keyword arguments. ``@idempotent_consumer`` records that id in the task's transaction before
 the entries are written, so a redelivery, a relay sending the event again, or a worker killed
 mid-task never writes a second pair.

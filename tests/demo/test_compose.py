@@ -103,13 +103,6 @@ def test_without_variables_the_demo_needs_nothing_but_python() -> None:
     assert configured["faults"] is False
 
 
-def healthy(service: str, env: dict[str, str], cwd: Path) -> bool:
-    result = subprocess.run(
-        stack.healthcheck(service), env=env, cwd=cwd, capture_output=True, timeout=120
-    )
-    return result.returncode == 0
-
-
 @only_once
 def test_the_worker_runs_and_its_healthcheck_tells_when_it_stops(tmp_path: Path) -> None:
     amqp_url = require_service("amqp")
@@ -124,26 +117,25 @@ def test_the_worker_runs_and_its_healthcheck_tells_when_it_stops(tmp_path: Path)
     )
     try:
         with stack.running(stack.command("worker"), env, stack.ROOT, tmp_path / "worker.log"):
-            stack.wait_for(lambda: healthy("worker", env, stack.ROOT), "the worker's healthcheck")
-        assert not healthy("worker", env, stack.ROOT)
+            stack.wait_for(
+                lambda: stack.healthy("worker", env, stack.ROOT), "the worker's healthcheck"
+            )
+        assert not stack.healthy("worker", env, stack.ROOT)
     finally:
-        _delete_queue(amqp_url, name)
+        stack.delete_queue(amqp_url, name)
 
 
 @only_once
 def test_beat_runs_and_its_healthcheck_tells_when_it_stops(tmp_path: Path) -> None:
-    env = stack.environment(CELERY_BROKER_URL=require_service("amqp"))
+    amqp_url = require_service("amqp")
+    name = f"demo-test-{uuid.uuid4().hex[:12]}"
+    # Beat sends the outbox relay every 10 s: to a queue of our own, deleted afterwards.
+    env = stack.environment(CELERY_BROKER_URL=amqp_url, CELERY_TASK_DEFAULT_QUEUE=name)
     workdir = tmp_path / "beat"  # compose gives beat a fresh /tmp as its working directory
     workdir.mkdir()
-    with stack.running(stack.command("beat"), env, workdir, tmp_path / "beat.log"):
-        stack.wait_for(lambda: healthy("beat", env, workdir), "beat's healthcheck")
-    assert not healthy("beat", env, workdir)
-
-
-def _delete_queue(amqp_url: str, name: str) -> None:
-    from kombu import Connection
-
-    with Connection(amqp_url) as connection:
-        channel = connection.channel()
-        channel.queue_delete(name)
-        channel.exchange_delete(name)
+    try:
+        with stack.running(stack.command("beat"), env, workdir, tmp_path / "beat.log"):
+            stack.wait_for(lambda: stack.healthy("beat", env, workdir), "beat's healthcheck")
+        assert not stack.healthy("beat", env, workdir)
+    finally:
+        stack.delete_queue(amqp_url, name)
