@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from django_idempotency.tasks import BEAT_SCHEDULE
 from tests.backends import backends_required
 from tests.conftest import require_service
 from tests.demo import stack
@@ -67,7 +68,8 @@ def demo_settings(**variables: str) -> dict[str, Any]:
         "import json, demo_project.settings as s; print(json.dumps({"
         "'engine': s.DATABASES['default']['ENGINE'], 'caches': s.CACHES, "
         "'idempotency': s.IDEMPOTENCY, 'eager': s.CELERY_TASK_ALWAYS_EAGER, "
-        "'broker': s.CELERY_BROKER_URL, 'faults': s.DEMO_FAULTS}))"
+        "'broker': s.CELERY_BROKER_URL, 'faults': s.DEMO_FAULTS, "
+        "'beat': s.CELERY_BEAT_SCHEDULE}))"
     )
     result = subprocess.run(
         [sys.executable, "-c", script],
@@ -92,6 +94,19 @@ def test_the_settings_understand_the_stacks_variables() -> None:
     assert configured["eager"] is False
     assert configured["broker"] == "amqp://guest:guest@rabbitmq:5672//"
     assert configured["faults"] is True
+    # The events go to the broker as the ledger tasks, and beat relays and sweeps.
+    publishers = configured["idempotency"]["OUTBOX_PUBLISHERS"]
+    assert publishers["payment.completed"] == {
+        "BACKEND": "django_idempotency.publishers.celery.CeleryPublisher",
+        "OPTIONS": {
+            "app": "demo_project.celery.app",
+            "task": "demo_project.payments.tasks.record_payment",
+        },
+    }
+    assert publishers["payment.refunded"]["OPTIONS"]["task"] == (
+        "demo_project.payments.tasks.record_refund"
+    )
+    assert configured["beat"] == json.loads(json.dumps(BEAT_SCHEDULE))
 
 
 def test_without_variables_the_demo_needs_nothing_but_python() -> None:
@@ -101,6 +116,12 @@ def test_without_variables_the_demo_needs_nothing_but_python() -> None:
     assert "CACHE_ALIAS" not in configured["idempotency"]
     assert configured["eager"] is True
     assert configured["faults"] is False
+    # The relay and the ledger consumer run in the web process.
+    publishers = configured["idempotency"]["OUTBOX_PUBLISHERS"]
+    assert {route["BACKEND"] for route in publishers.values()} == {
+        "demo_project.payments.inprocess.InProcessTaskPublisher"
+    }
+    assert configured["idempotency"]["OUTBOX_KICK"] == "django_idempotency.tasks.kick_relay"
 
 
 @only_once
