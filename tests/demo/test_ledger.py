@@ -20,17 +20,23 @@ def event_id(topic: str, transaction_id: str) -> str:
     return str(services.event_id(topic, Payment(transaction_id=uuid.UUID(transaction_id))))
 
 
+def settled_ledger(server: DemoServer, transaction_id: str, count: int) -> list[dict[str, Any]]:
+    """The payment's entries, read once a later payment from the same account reached the
+    ledger too: that event left after this one (same key), and in-process the relay only sends
+    the next event once the consumer has finished with the last. With a worker, it gives a
+    duplicate delivery time to show."""
+    later = pay(server, new_key(), "1.00")
+    server.ledger(later.body["transaction_id"], count=2)
+    return server.ledger(transaction_id, count=count)
+
+
 def test_a_payment_and_its_retries_reach_the_ledger_once(demo_server: DemoServer) -> None:
     key = new_key()
     first = pay(demo_server, key, "17.00")
     assert first.status == 201, first.body
     assert all(pay(demo_server, key, "17.00").replayed for _ in range(3))
     transaction_id = first.body["transaction_id"]
-    # A later payment from the same account: its event leaves after this one (same key), and
-    # in-process the consumer has finished with an event before the relay sends the next.
-    later = pay(demo_server, new_key(), "1.00")
-    demo_server.ledger(later.body["transaction_id"], count=2)
-    entries = demo_server.ledger(transaction_id, count=2)
+    entries = settled_ledger(demo_server, transaction_id, count=2)
     assert summary(entries) == [
         ("payment.completed", "credit", "acc_4", "17.00"),
         ("payment.completed", "debit", "acc_3", "17.00"),
@@ -49,9 +55,7 @@ def test_a_refund_and_its_retry_add_the_reverse_pair_once(demo_server: DemoServe
     for _ in range(2):
         answer = client.request("PATCH", path, {"status": "refunded"}, {"Idempotency-Key": key})
         assert answer.status == 200, answer.body
-    later = pay(demo_server, new_key(), "1.00")
-    demo_server.ledger(later.body["transaction_id"], count=2)
-    entries = demo_server.ledger(transaction_id, count=4)
+    entries = settled_ledger(demo_server, transaction_id, count=4)
     assert summary(entries) == [
         ("payment.completed", "credit", "acc_4", "8.00"),
         ("payment.completed", "debit", "acc_3", "8.00"),
