@@ -20,9 +20,11 @@ DJANGO52 := django>=5.2,<5.3
 DJANGO6 := django>=6.0,<7
 PYTEST := python -m pytest -p no:cacheprovider
 COVERAGE_FLOOR ?= 90
-# The demo: where it listens, and the short lease that lets the tour's crash recover quickly.
+# The demo: where it listens, and the short leases that let the tour's crash recover quickly
+# (a key held by the killed request; outbox events claimed by a relay in the killed process).
 DEMO_PORT ?= 8000
 DEMO_LEASE_SECONDS ?= 5
+DEMO_RELAY_LEASE_SECONDS ?= 10
 DEMO_SERVE := $(VENV)/bin/python -m gunicorn --config python:demo_project.gunicorn_conf demo_project.wsgi
 
 .PHONY: demo tour test lint typecheck migrations-check test-django52 test-django6 docs clean bench-relay
@@ -50,7 +52,8 @@ $(VENV)/.demo-installed: pyproject.toml
 
 ## demo: install, migrate, create the demo user and accounts, and serve on 127.0.0.1:$(DEMO_PORT)
 # SQLite, no Redis, no broker. Served by gunicorn so that a worker killed mid-payment (the
-# tour's crash, allowed by DEMO_FAULTS=1) is replaced while the service stays up.
+# tour's crash, allowed by DEMO_FAULTS=1) is replaced while the service stays up. Without a
+# broker the outbox relay and the ledger consumer run inside the web workers.
 demo: $(VENV)/.demo-installed
 	$(VENV)/bin/python manage.py demo_setup
 	@echo
@@ -60,6 +63,7 @@ demo: $(VENV)/.demo-installed
 	@echo "  Tour     make tour   (in another terminal)"
 	@echo
 	DEMO_FAULTS=1 IDEMPOTENCY_LEASE_SECONDS=$(DEMO_LEASE_SECONDS) \
+		IDEMPOTENCY_RELAY_LEASE_SECONDS=$(DEMO_RELAY_LEASE_SECONDS) \
 		GUNICORN_CMD_ARGS="--bind 127.0.0.1:$(DEMO_PORT)" $(DEMO_SERVE)
 
 ## tour: play the idempotency story against the running demo

@@ -6,6 +6,7 @@ starts a new one and the service stays up, as it would in production. ``GUNICORN
 """
 
 import os
+from typing import Any
 
 bind = ["127.0.0.1:8000"]
 # Two processes, so a worker that dies leaves the other one serving; threads, so a slow payment
@@ -17,3 +18,13 @@ accesslog = "-"
 # Recent gunicorn releases open a control socket at one fixed path per user; several servers on
 # one machine (the tests start their own) would fight over it, and the demo does not use it.
 control_socket_disable = True
+
+
+def post_worker_init(worker: Any) -> None:
+    """Without a broker there is no beat: each web worker kicks the outbox relay now and then."""
+    from django.conf import settings
+
+    if not settings.CELERY_BROKER_URL:
+        from demo_project.payments.inprocess import start_relay_beat
+
+        start_relay_beat()

@@ -5,10 +5,12 @@ With none set, the demo needs nothing but Python: SQLite, no Redis, no broker.
 ``DATABASE_URL``       any database django-environ understands (default: ``demo.sqlite3``).
 ``REDIS_URL``          optional: defines the ``idempotency`` django-redis cache and points the
                        Redis fast path (``IDEMPOTENCY["CACHE_ALIAS"]``) at it.
-``CELERY_BROKER_URL``  optional: sends tasks to a broker; without it they run in-process.
+``CELERY_BROKER_URL``  optional: sends tasks (the outbox relay, the ledger consumer) to a broker
+                       for a Celery worker; without it they run in-process, after the commit.
 ``DEMO_FAULTS``        off by default: lets a request ask for a slow or crashing payment with the
                        ``X-Demo-Fault`` header (``make demo`` turns it on for the tour).
 ``IDEMPOTENCY_LEASE_SECONDS`` / ``IDEMPOTENCY_TTL_SECONDS``  the lease and retention of keys.
+``IDEMPOTENCY_RELAY_LEASE_SECONDS``  how long a relay holds the events it claimed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import environ
+
+from django_idempotency.tasks import BEAT_SCHEDULE
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
@@ -92,6 +96,7 @@ REST_FRAMEWORK: dict[str, Any] = {
 IDEMPOTENCY: dict[str, Any] = {
     "LEASE_SECONDS": env.float("IDEMPOTENCY_LEASE_SECONDS", default=30),
     "TTL_SECONDS": env.float("IDEMPOTENCY_TTL_SECONDS", default=86400),
+    "OUTBOX_RELAY_LEASE_SECONDS": env.float("IDEMPOTENCY_RELAY_LEASE_SECONDS", default=60),
     "ANONYMOUS_SCOPE": "anonymous",
 }
 
@@ -114,6 +119,37 @@ CELERY_TASK_ALWAYS_EAGER = not CELERY_BROKER_URL
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_TASK_DEFAULT_QUEUE = env("CELERY_TASK_DEFAULT_QUEUE", default="demo")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# The broker confirms every message the relay sends before the event counts as published, and
+# a worker takes one message at a time (the ledger tasks acknowledge late).
+CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Beat relays the outbox every 10 s (the safety net behind the kick after each commit) and
+# sweeps expired keys, published events and old processed-message markers.
+CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE}
+
+# Each payment event goes to its ledger task. With a broker, CeleryPublisher sends it (the task
+# id is the event id) and the worker runs it; without one, the relay runs in the web process and
+# hands the event straight to the task (demo_project/payments/inprocess.py).
+LEDGER_TASKS = {
+    "payment.completed": "demo_project.payments.tasks.record_payment",
+    "payment.refunded": "demo_project.payments.tasks.record_refund",
+}
+LEDGER_PUBLISHER: dict[str, Any] = (
+    {
+        "BACKEND": "django_idempotency.publishers.celery.CeleryPublisher",
+        "OPTIONS": {"app": "demo_project.celery.app"},
+    }
+    if CELERY_BROKER_URL
+    else {"BACKEND": "demo_project.payments.inprocess.InProcessTaskPublisher", "OPTIONS": {}}
+)
+IDEMPOTENCY["OUTBOX_PUBLISHERS"] = {
+    topic: {**LEDGER_PUBLISHER, "OPTIONS": {**LEDGER_PUBLISHER["OPTIONS"], "task": task}}
+    for topic, task in LEDGER_TASKS.items()
+}
+# After each commit that published, the kick queues the relay task from a background thread:
+# to the broker, where a worker relays; or, without one, Celery's eager mode runs the relay right
+# there in the web process. Either way the response never waits for it.
+IDEMPOTENCY["OUTBOX_KICK"] = "django_idempotency.tasks.kick_relay"
 
 #: Fault injection for the tour: never turn it on outside the demo.
 DEMO_FAULTS = env.bool("DEMO_FAULTS", default=False)

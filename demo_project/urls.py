@@ -5,11 +5,17 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from rest_framework.routers import DefaultRouter
 
-from demo_project.payments.views import AccountViewSet, DemoInfoView, PaymentViewSet
+from demo_project.payments.views import (
+    AccountViewSet,
+    DemoInfoView,
+    LedgerEntryViewSet,
+    PaymentViewSet,
+)
 
 router = DefaultRouter()
 router.register("payments", PaymentViewSet)
 router.register("accounts", AccountViewSet)
+router.register("ledger", LedgerEntryViewSet)
 
 urlpatterns = [
     path("admin/", admin.site.urls),

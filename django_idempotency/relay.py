@@ -279,7 +279,10 @@ class Relay:
             if not rows:
                 return []
             token = uuid.uuid4()
-            until = now + timedelta(seconds=self.lease_seconds)
+            # The lease runs from now, not from ``now``: the claim may have queued for a lock
+            # (SQLite's write lock, or rows without SKIP LOCKED), and the publish budget counts
+            # from after the claim, so a lease counted from before the wait could run out first.
+            until = timezone.now() + timedelta(seconds=self.lease_seconds)
             ids = [row.pk for row in rows]
             # Fenced on the lease being free, so even a database without row locks can never
             # hand one event to two relays.

@@ -69,6 +69,8 @@ INSTALLED_APPS = [
     "rest_framework.authtoken",
     "django_idempotency",
     "tests.testapp",
+    # The demo's payments app, for its ledger consumer tests (tests/demo/test_ledger.py).
+    "demo_project.payments",
 ]
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",

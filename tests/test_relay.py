@@ -1,8 +1,10 @@
 import random
+import threading
+import time
 from datetime import timedelta
 
 import pytest
-from django.db import transaction
+from django.db import connection, connections, transaction
 from django.utils import timezone
 from freezegun import freeze_time
 
@@ -308,3 +310,36 @@ def test_a_publisher_that_breaks_fails_its_whole_group(publisher, error):
     events = [publish_committed(payload={"n": n}) for n in range(2)]
     results = Relay._send(publisher, [OutboxEvent.objects.get(pk=e.pk) for e in events])
     assert len(results) == 2 and all(error in str(result) for result in results)
+
+
+@pytest.mark.concurrency
+def test_a_claim_that_waited_for_the_database_lock_still_gets_its_whole_lease():
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's claim queues for the write lock; SKIP LOCKED claims do not wait")
+    publish_committed()
+    lease = 60
+    claimed = {}
+    asked = threading.Event()
+
+    def claim():
+        try:
+            now = timezone.now()  # as run_once does, before the claim's transaction
+            asked.set()
+            claimed["rows"] = Relay(lease_seconds=lease)._claim(now)
+        finally:
+            connections.close_all()
+
+    # Another writer holds SQLite's write lock (BEGIN IMMEDIATE): the claim can only take its
+    # lease after that writer lets go.
+    with HeldTransaction(lambda: OutboxEvent.objects.count()) as writer:
+        thread = threading.Thread(target=claim)
+        thread.start()
+        assert asked.wait(30)
+        time.sleep(1)  # let the claim queue for the lock (the assertion holds either way)
+        released_at = timezone.now()
+        writer.release()
+        thread.join(60)
+    (row,) = claimed["rows"]
+    # The lease runs from when the claim got the lock, so the publish budget (a share of the
+    # lease, counted from after the claim) can never outlast it.
+    assert row.locked_until >= released_at + timedelta(seconds=lease)

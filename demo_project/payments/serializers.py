@@ -6,7 +6,7 @@ from typing import Any
 from rest_framework import serializers
 
 from demo_project.payments import services
-from demo_project.payments.models import Account, Payment
+from demo_project.payments.models import Account, LedgerEntry, Payment
 
 
 class AccountSerializer(serializers.ModelSerializer[Account]):
@@ -71,3 +71,23 @@ class PaymentStatusSerializer(serializers.ModelSerializer[Payment]):
         return services.change_status(
             instance, validated_data["status"], fault=self.context.get("fault")
         )
+
+
+class LedgerEntrySerializer(serializers.ModelSerializer[LedgerEntry]):
+    payment = serializers.SlugRelatedField(slug_field="transaction_id", read_only=True)
+    account = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = LedgerEntry
+        fields = [
+            "id",
+            "payment",
+            "event_id",
+            "topic",
+            "account",
+            "side",
+            "amount",
+            "currency",
+            "recorded_at",
+        ]
+        read_only_fields = fields

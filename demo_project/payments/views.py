@@ -1,16 +1,19 @@
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from django.conf import settings
-from rest_framework import generics, mixins, serializers, viewsets
+from django.db.models import QuerySet
+from rest_framework import exceptions, generics, mixins, serializers, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from demo_project.payments import faults
-from demo_project.payments.models import Account, Payment
+from demo_project.payments.models import Account, LedgerEntry, Payment
 from demo_project.payments.serializers import (
     AccountSerializer,
+    LedgerEntrySerializer,
     PaymentSerializer,
     PaymentStatusSerializer,
 )
@@ -53,6 +56,31 @@ class AccountViewSet(viewsets.ReadOnlyModelViewSet[Account]):
     queryset = Account.objects.order_by("name")
     serializer_class = AccountSerializer
     lookup_field = "name"
+
+
+class LedgerEntryViewSet(viewsets.ReadOnlyModelViewSet[LedgerEntry]):
+    """The entries the ledger consumer wrote from the payment events, oldest first.
+
+    Filter with ``?payment=<transaction_id>`` and ``?account=<name>``.
+    """
+
+    queryset = LedgerEntry.objects.select_related("payment", "account").order_by("id")
+    serializer_class = LedgerEntrySerializer
+
+    def get_queryset(self) -> QuerySet[LedgerEntry]:
+        queryset = super().get_queryset()
+        payment = self.request.query_params.get("payment")
+        if payment is not None:
+            try:
+                queryset = queryset.filter(payment__transaction_id=uuid.UUID(payment))
+            except ValueError:
+                raise exceptions.ValidationError(
+                    {"payment": [f"{payment!r} is not a transaction_id (a UUID)."]}
+                ) from None
+        account = self.request.query_params.get("account")
+        if account is not None:
+            queryset = queryset.filter(account__name=account)
+        return queryset
 
 
 class DemoInfoSerializer(serializers.Serializer[dict[str, Any]]):

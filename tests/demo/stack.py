@@ -53,6 +53,24 @@ def healthcheck(service: str) -> list[str]:
     return [sys.executable if rest[0] == "python" else rest[0], *rest[1:]]
 
 
+def healthy(service: str, env: dict[str, str], cwd: Path) -> bool:
+    """Whether the service's healthcheck, run here, passes."""
+    result = subprocess.run(
+        healthcheck(service), env=env, cwd=cwd, capture_output=True, timeout=120
+    )
+    return result.returncode == 0
+
+
+def delete_queue(amqp_url: str, name: str) -> None:
+    """Delete a test's queue and the exchange of the same name that Celery declares for it."""
+    from kombu import Connection
+
+    with Connection(amqp_url) as connection:
+        channel = connection.channel()
+        channel.queue_delete(name)
+        channel.exchange_delete(name)
+
+
 def environment(**variables: str) -> dict[str, str]:
     """This process's environment without its service addresses, plus ``variables``."""
     env = {name: value for name, value in os.environ.items() if name not in SERVICE_VARIABLES}

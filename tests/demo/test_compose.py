@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from django_idempotency.tasks import BEAT_SCHEDULE
 from tests.backends import backends_required
 from tests.conftest import require_service
 from tests.demo import stack
@@ -67,7 +68,8 @@ def demo_settings(**variables: str) -> dict[str, Any]:
         "import json, demo_project.settings as s; print(json.dumps({"
         "'engine': s.DATABASES['default']['ENGINE'], 'caches': s.CACHES, "
         "'idempotency': s.IDEMPOTENCY, 'eager': s.CELERY_TASK_ALWAYS_EAGER, "
-        "'broker': s.CELERY_BROKER_URL, 'faults': s.DEMO_FAULTS}))"
+        "'broker': s.CELERY_BROKER_URL, 'faults': s.DEMO_FAULTS, "
+        "'beat': s.CELERY_BEAT_SCHEDULE}))"
     )
     result = subprocess.run(
         [sys.executable, "-c", script],
@@ -92,6 +94,19 @@ def test_the_settings_understand_the_stacks_variables() -> None:
     assert configured["eager"] is False
     assert configured["broker"] == "amqp://guest:guest@rabbitmq:5672//"
     assert configured["faults"] is True
+    # The events go to the broker as the ledger tasks, and beat relays and sweeps.
+    publishers = configured["idempotency"]["OUTBOX_PUBLISHERS"]
+    assert publishers["payment.completed"] == {
+        "BACKEND": "django_idempotency.publishers.celery.CeleryPublisher",
+        "OPTIONS": {
+            "app": "demo_project.celery.app",
+            "task": "demo_project.payments.tasks.record_payment",
+        },
+    }
+    assert publishers["payment.refunded"]["OPTIONS"]["task"] == (
+        "demo_project.payments.tasks.record_refund"
+    )
+    assert configured["beat"] == json.loads(json.dumps(BEAT_SCHEDULE))
 
 
 def test_without_variables_the_demo_needs_nothing_but_python() -> None:
@@ -101,13 +116,12 @@ def test_without_variables_the_demo_needs_nothing_but_python() -> None:
     assert "CACHE_ALIAS" not in configured["idempotency"]
     assert configured["eager"] is True
     assert configured["faults"] is False
-
-
-def healthy(service: str, env: dict[str, str], cwd: Path) -> bool:
-    result = subprocess.run(
-        stack.healthcheck(service), env=env, cwd=cwd, capture_output=True, timeout=120
-    )
-    return result.returncode == 0
+    # The relay and the ledger consumer run in the web process.
+    publishers = configured["idempotency"]["OUTBOX_PUBLISHERS"]
+    assert {route["BACKEND"] for route in publishers.values()} == {
+        "demo_project.payments.inprocess.InProcessTaskPublisher"
+    }
+    assert configured["idempotency"]["OUTBOX_KICK"] == "django_idempotency.tasks.kick_relay"
 
 
 @only_once
@@ -124,26 +138,25 @@ def test_the_worker_runs_and_its_healthcheck_tells_when_it_stops(tmp_path: Path)
     )
     try:
         with stack.running(stack.command("worker"), env, stack.ROOT, tmp_path / "worker.log"):
-            stack.wait_for(lambda: healthy("worker", env, stack.ROOT), "the worker's healthcheck")
-        assert not healthy("worker", env, stack.ROOT)
+            stack.wait_for(
+                lambda: stack.healthy("worker", env, stack.ROOT), "the worker's healthcheck"
+            )
+        assert not stack.healthy("worker", env, stack.ROOT)
     finally:
-        _delete_queue(amqp_url, name)
+        stack.delete_queue(amqp_url, name)
 
 
 @only_once
 def test_beat_runs_and_its_healthcheck_tells_when_it_stops(tmp_path: Path) -> None:
-    env = stack.environment(CELERY_BROKER_URL=require_service("amqp"))
+    amqp_url = require_service("amqp")
+    name = f"demo-test-{uuid.uuid4().hex[:12]}"
+    # Beat sends the outbox relay every 10 s: to a queue of our own, deleted afterwards.
+    env = stack.environment(CELERY_BROKER_URL=amqp_url, CELERY_TASK_DEFAULT_QUEUE=name)
     workdir = tmp_path / "beat"  # compose gives beat a fresh /tmp as its working directory
     workdir.mkdir()
-    with stack.running(stack.command("beat"), env, workdir, tmp_path / "beat.log"):
-        stack.wait_for(lambda: healthy("beat", env, workdir), "beat's healthcheck")
-    assert not healthy("beat", env, workdir)
-
-
-def _delete_queue(amqp_url: str, name: str) -> None:
-    from kombu import Connection
-
-    with Connection(amqp_url) as connection:
-        channel = connection.channel()
-        channel.queue_delete(name)
-        channel.exchange_delete(name)
+    try:
+        with stack.running(stack.command("beat"), env, workdir, tmp_path / "beat.log"):
+            stack.wait_for(lambda: stack.healthy("beat", env, workdir), "beat's healthcheck")
+        assert not stack.healthy("beat", env, workdir)
+    finally:
+        stack.delete_queue(amqp_url, name)

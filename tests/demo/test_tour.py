@@ -1,10 +1,14 @@
-"""``manage.py idempotency_tour`` against the live demo server, as the README says to run it."""
+"""``manage.py idempotency_tour`` against a live demo server, as the README says to run it: as
+``make demo`` serves it (in-process consumer) and as docker compose runs it (RabbitMQ and a
+Celery worker, in the PostgreSQL pass)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from decimal import Decimal
+
+import pytest
 
 from tests.demo import stack
 from tests.demo.conftest import DemoServer
@@ -21,11 +25,27 @@ def tour(url: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.fixture(params=["in-process", "worker"])
+def toured(request: pytest.FixtureRequest) -> DemoServer:
+    if request.param == "in-process":
+        server: DemoServer = request.getfixturevalue("demo_server")
+        return server
+    return request.getfixturevalue("broker_stack").server  # type: ignore[no-any-return]
+
+
+def ledger(server: DemoServer, account: str) -> list[dict[str, str]]:
+    answer = server.client().request("GET", f"/api/v1/ledger/?account={account}")
+    assert answer.status == 200
+    entries: list[dict[str, str]] = answer.body
+    return entries
+
+
 def test_the_tour_runs_green_and_every_duplicate_leaves_the_balances_alone(
-    demo_server: DemoServer,
+    toured: DemoServer,
 ) -> None:
-    before = demo_server.balances()
-    result = tour(demo_server.url)
+    before = toured.balances()
+    seen = {entry["id"] for entry in ledger(toured, "acc_1")}
+    result = tour(toured.url)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "The tour ran green." in result.stdout
     assert "skipped" not in result.stdout  # the server has faults on: every step ran
@@ -33,11 +53,29 @@ def test_the_tour_runs_green_and_every_duplicate_leaves_the_balances_alone(
         assert answer in result.stdout
     assert "no answer: the connection was dropped" in result.stdout
     # Paid 25.00, 10.00 and 5.00 once each, whatever the duplicates, and refunded the 25.00.
-    after = demo_server.balances()
+    after = toured.balances()
     assert after["acc_1"] == before["acc_1"] - Decimal("15.00")
     assert after["acc_2"] == before["acc_2"] + Decimal("15.00")
+    # The ledger, written by the consumer: one event per payment and one for the refund, each
+    # with one debit and one credit. Nothing for the duplicates or for the crashed attempt.
+    new = [entry for entry in ledger(toured, "acc_1") if entry["id"] not in seen]
+    assert sorted((e["topic"], e["side"], e["amount"]) for e in new) == [
+        ("payment.completed", "debit", "10.00"),
+        ("payment.completed", "debit", "25.00"),
+        ("payment.completed", "debit", "5.00"),
+        ("payment.refunded", "credit", "25.00"),
+    ]
+    assert len({entry["event_id"] for entry in new}) == 4
+    for entry in new:
+        pair = toured.client().ledger(entry["payment"])
+        event = [e for e in pair if e["event_id"] == entry["event_id"]]
+        assert sorted((e["side"], e["account"]) for e in event) == (
+            [("credit", "acc_2"), ("debit", "acc_1")]
+            if entry["side"] == "debit"
+            else [("credit", "acc_1"), ("debit", "acc_2")]
+        )
     # The server survived the crash it was put through.
-    assert demo_server.client().request("GET", "/api/v1/demo/").status == 200
+    assert toured.client().request("GET", "/api/v1/demo/").status == 200
 
 
 def test_the_tour_says_so_when_there_is_no_demo_to_tour() -> None:

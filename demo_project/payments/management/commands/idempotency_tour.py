@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from django.core.management.base import BaseCommand, CommandError
 
 SOURCE, DESTINATION = "acc_1", "acc_2"
+COMPLETED, REFUNDED = "payment.completed", "payment.refunded"
 
 
 @dataclass
@@ -120,6 +121,12 @@ class Client:
         }
         return self.request("POST", "/api/v1/payments/", body, all_headers)
 
+    def ledger(self, transaction_id: str) -> list[dict[str, Any]]:
+        answer = self.request("GET", f"/api/v1/ledger/?payment={transaction_id}")
+        if answer.status != 200 or not isinstance(answer.body, list):
+            raise CommandError(f"GET /api/v1/ledger/ answered {answer.describe()}")
+        return answer.body
+
     def balances(self) -> dict[str, Decimal]:
         answer = self.request("GET", "/api/v1/accounts/")
         if answer.status != 200 or not isinstance(answer.body, list):
@@ -130,7 +137,7 @@ class Client:
 class Command(BaseCommand):
     help = (
         "Play retries, a double submit, a reused key and a crash against a running demo server, "
-        "and check that every payment moved money exactly once."
+        "and check that every payment moved money and reached the ledger exactly once."
     )
     # Only HTTP: the server under tour may run with other settings than this process.
     requires_system_checks: list[str] = []
@@ -152,6 +159,9 @@ class Command(BaseCommand):
         self.client = Client(options["url"], credentials, options["timeout"])
         self.failures: list[str] = []
         self.moved = Decimal("0.00")
+        #: transaction_id -> (amount, the topics of its events, in order).
+        self.payments: dict[str, tuple[str, list[str]]] = {}
+        self.timeout = options["timeout"]
         self.run_id = uuid.uuid4().hex[:8]
 
         info = self.client.request("GET", "/api/v1/demo/")
@@ -172,6 +182,7 @@ class Command(BaseCommand):
             self.missing_and_invalid_key,
             self.crash_mid_payment,
             self.refund_and_retry,
+            self.events_once,
         ]
         for number, step in enumerate(steps, start=1):
             self.stdout.write(self.style.MIGRATE_HEADING(f"{number}. {step.__doc__}"))
@@ -203,7 +214,7 @@ class Command(BaseCommand):
         self.expect(first.status == 201 and not first.replayed, "the payment ran", "expected 201")
         self.payment = first.body or {}
         if first.status == 201:
-            self.moved += Decimal("25.00")
+            self.paid(first, "25.00")
         retry = self.client.pay(key, "25.00")
         self.show("retry, same key", retry)
         self.expect(
@@ -242,8 +253,9 @@ class Command(BaseCommand):
             "one ran, the other was told to retry later (409 transaction_in_progress)",
             f"expected one 201 and one 409, got {statuses}",
         )
-        if 201 in statuses:
-            self.moved += Decimal("10.00")
+        for answer in answers:
+            if answer.status == 201:
+                self.paid(answer, "10.00")
         retry = self.client.pay(key, "10.00")
         self.show("retry after both", retry)
         self.expect(retry.status == 201 and retry.replayed, "the retry got the stored answer", "")
@@ -306,7 +318,7 @@ class Command(BaseCommand):
             "expected 201",
         )
         if answer.status == 201:
-            self.moved += Decimal("5.00")
+            self.paid(answer, "5.00")
 
     def refund_and_retry(self) -> None:
         """A refund (PATCH), retried."""
@@ -330,6 +342,52 @@ class Command(BaseCommand):
         )
         if first.status == 200:
             self.moved -= Decimal("25.00")
+            self.payments[transaction_id][1].append(REFUNDED)
+
+    def events_once(self) -> None:
+        """Each payment's event: published once, consumed once (the ledger)."""
+        where = "by the Celery worker" if self.info["broker"] else "in the server's process"
+        self.stdout.write(f"   (the outbox relays each event, the ledger consumer runs {where})")
+        ledger_moved = Decimal("0.00")
+        for transaction_id, (amount, topics) in self.payments.items():
+            entries = self.wait_for_ledger(transaction_id, 2 * len(topics))
+            self.stdout.write(f"   payment {transaction_id[:8]}... of {amount}")
+            for entry in entries:
+                self.stdout.write(
+                    f"     {entry['topic']:<18} {entry['side']:<6} {entry['account']} "
+                    f"{entry['amount']}  (event {entry['event_id'][:8]}...)"
+                )
+                if entry["account"] == SOURCE:
+                    sign = 1 if entry["side"] == "debit" else -1
+                    ledger_moved += sign * Decimal(entry["amount"])
+            self.expect(
+                _pairs(entries) == [_pair(topic) for topic in topics],
+                f"{' and '.join(topics)} consumed once: one debit, one credit "
+                f"{'each' if len(topics) > 1 else ''}".strip(),
+                f"expected {[_pair(topic) for topic in topics]}, got {_pairs(entries)}",
+            )
+        self.expect(
+            ledger_moved == self.moved,
+            f"the ledger agrees with the balances: {SOURCE} paid {self.moved} net, once",
+            f"the ledger says {ledger_moved}",
+        )
+
+    def wait_for_ledger(self, transaction_id: str, count: int) -> list[dict[str, Any]]:
+        """The payment's entries once there are ``count`` (the consumer runs after the commit)."""
+        deadline = time.monotonic() + self.timeout
+        entries = self.client.ledger(transaction_id)
+        while len(entries) < count and time.monotonic() < deadline:
+            time.sleep(0.5)
+            entries = self.client.ledger(transaction_id)
+        if len(entries) < count and self.info["broker"]:
+            self.stdout.write(
+                self.style.WARNING("     no entries yet: is the Celery worker running?")
+            )
+        return entries
+
+    def paid(self, answer: Answer, amount: str) -> None:
+        self.moved += Decimal(amount)
+        self.payments[answer.body["transaction_id"]] = (amount, [COMPLETED])
 
     # --- output ----------------------------------------------------------------------------
 
@@ -351,3 +409,20 @@ class Command(BaseCommand):
 
     def _format(self, balances: dict[str, Decimal]) -> str:
         return ", ".join(f"{name} {balances[name]}" for name in (SOURCE, DESTINATION))
+
+
+def _pair(topic: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """What one event of ``topic`` writes for a tour payment (from SOURCE to DESTINATION)."""
+    payer, payee = (SOURCE, DESTINATION) if topic == COMPLETED else (DESTINATION, SOURCE)
+    return topic, (("credit", payee), ("debit", payer))
+
+
+def _pairs(entries: list[dict[str, Any]]) -> list[tuple[str, tuple[tuple[str, str], ...]]]:
+    """The entries grouped by event, in the order the events were written."""
+    events: dict[str, list[dict[str, Any]]] = {}
+    for entry in entries:
+        events.setdefault(entry["event_id"], []).append(entry)
+    return [
+        (group[0]["topic"], tuple(sorted((entry["side"], entry["account"]) for entry in group)))
+        for group in events.values()
+    ]
