@@ -27,7 +27,7 @@ DEMO_LEASE_SECONDS ?= 5
 DEMO_RELAY_LEASE_SECONDS ?= 10
 DEMO_SERVE := $(VENV)/bin/python -m gunicorn --config python:demo_project.gunicorn_conf demo_project.wsgi
 
-.PHONY: demo tour test lint typecheck migrations-check test-django52 test-django6 docs clean bench-relay
+.PHONY: demo tour test lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -71,7 +71,7 @@ tour: $(VENV)/.demo-installed
 	$(VENV)/bin/python manage.py idempotency_tour --url http://127.0.0.1:$(DEMO_PORT)
 
 ## test: lint, types, migrations, docs, and the suite on every backend and Django series
-test: lint typecheck migrations-check docs test-django52 test-django6
+test: lint typecheck migrations-check docs test-django52 test-django6 test-reliability
 	$(VENV)/bin/coverage combine --quiet
 	$(VENV)/bin/coverage report --fail-under=$(COVERAGE_FLOOR)
 
@@ -104,6 +104,13 @@ test-django6: $(VENV_DJANGO6)/.installed
 		TEST_DATABASE=$$db COVERAGE_FILE=.coverage.dj6.$$db $(VENV_DJANGO6)/bin/$(PYTEST) \
 			--cov=django_idempotency --cov-report= -m "not reliability" || exit 1; \
 	done
+
+## test-reliability: load, faults, hostile input and the state machine (tests/reliability)
+# On PostgreSQL only: the faults restart private PostgreSQL, Redis and RabbitMQ instances that
+# the suite starts itself, so the shared services are never touched.
+test-reliability: $(VENV)/.installed
+	TEST_DATABASE=postgresql COVERAGE_FILE=.coverage.reliability $(VENV)/bin/$(PYTEST) \
+		--cov=django_idempotency --cov-report= -m reliability tests/reliability
 
 ## bench-relay: outbox relay events/s on PostgreSQL (POSTGRES_URL; AMQP_URL for the AMQP rows)
 bench-relay: $(VENV)/.installed
