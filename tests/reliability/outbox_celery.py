@@ -115,4 +115,3 @@ def record(name: str, linger: float = 0.0) -> None:
     meets the uncommitted marker."""
     Widget.objects.create(name=name)
     time.sleep(linger)
-

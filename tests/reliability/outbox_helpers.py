@@ -268,8 +268,9 @@ class Load:
                     with transaction.atomic():
                         Widget.objects.create(name=f"{key}-{seq}")
                         for n in range(rng.randint(1, 3)):
-                            payload = {"key": key if n == 0 else "", "seq": seq, "n": n}
-                            event = publish(self.topic, payload, key=payload["key"] or None)
+                            event_key = key if n == 0 else ""
+                            payload = {"key": event_key, "seq": seq, "n": n}
+                            event = publish(self.topic, payload, key=event_key or None)
                             events.append((str(event.event_id), payload))
                         if rollback:
                             raise _Rollback
