@@ -63,7 +63,7 @@ from django.utils import timezone
 
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
-from django_idempotency.exceptions import OutboxError
+from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import NOTIFY_CHANNEL
 from django_idempotency.publishers.base import OutboxMessage, Publisher
@@ -424,7 +424,10 @@ class Relay:
             for event, error in failures:
                 event.attempts += 1
                 event.last_error = _describe(error)
-                if event.attempts >= max_attempts:
+                # An unreachable broker says nothing about the event: however long the outage,
+                # the event waits for the broker (backoff capped) instead of dying.
+                outage = isinstance(error, BrokerUnavailable)
+                if event.attempts >= max_attempts and not outage:
                     event.status = OutboxStatus.DEAD
                 else:
                     event.next_attempt_at = now + timedelta(

@@ -9,7 +9,7 @@ from django.utils import timezone
 from freezegun import freeze_time
 
 from django_idempotency import signals
-from django_idempotency.exceptions import OutboxError
+from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import discard, publish, retry_dead
 from django_idempotency.publishers.memory import broker
@@ -154,6 +154,23 @@ def test_an_event_is_dead_after_max_attempts_and_retry_dead_brings_it_back():
     with Relay() as relay:
         relay.drain()
     assert [m.event_id for m in broker.snapshot()] == [event.event_id, later.event_id]
+
+
+def test_a_broker_outage_never_makes_an_event_dead():
+    event = publish_committed()
+    broker.fail_when(lambda m: True, BrokerUnavailable)
+    two_attempts = settings_with(OUTBOX_MAX_ATTEMPTS=2, OUTBOX_BACKOFF_BASE_SECONDS=0.001)
+    with two_attempts, Relay(rng=random.Random(1)) as relay:
+        for _ in range(5):
+            OutboxEvent.objects.pending().update(next_attempt_at=timezone.now())
+            relay.run_once()
+        event.refresh_from_db()
+        assert (event.status, event.attempts) == (OutboxEvent.Status.PENDING, 5)
+        assert "BrokerUnavailable" in event.last_error
+        broker.fail_when(None)
+        OutboxEvent.objects.pending().update(next_attempt_at=timezone.now())
+        assert relay.drain().published == 1
+    assert [m.event_id for m in broker.snapshot()] == [event.event_id]
 
 
 def test_discard_deletes_only_dead_events_and_frees_the_key():

@@ -17,20 +17,30 @@ class MemoryBroker:
         self._lock = threading.Lock()
         self.messages: list[OutboxMessage] = []
         self._fail_when: Callable[[OutboxMessage], bool] | None = None
+        self._failure: type[PublishError] = PublishError
 
-    def fail_when(self, predicate: Callable[[OutboxMessage], bool] | None) -> None:
-        """Make publishing raise :class:`PublishError` for messages ``predicate`` picks."""
+    def fail_when(
+        self,
+        predicate: Callable[[OutboxMessage], bool] | None,
+        failure: type[PublishError] = PublishError,
+    ) -> None:
+        """Make publishing raise ``failure`` for messages ``predicate`` picks.
+
+        Pass :class:`~django_idempotency.exceptions.BrokerUnavailable` to play a broker outage.
+        """
         self._fail_when = predicate
+        self._failure = failure
 
     def clear(self) -> None:
         with self._lock:
             self.messages.clear()
         self._fail_when = None
+        self._failure = PublishError
 
     def receive(self, message: OutboxMessage) -> None:
         predicate = self._fail_when
         if predicate is not None and predicate(message):
-            raise PublishError(f"injected failure for {message.event_id}")
+            raise self._failure(f"injected failure for {message.event_id}")
         with self._lock:
             self.messages.append(message)
 
