@@ -1,0 +1,39 @@
+"""The test project as the load and fault tests serve it with gunicorn.
+
+Persistent database connections, as a production deployment has them: a database restart then
+breaks connections a worker already holds, the harder case for recovery. With
+``RELIABILITY_REDIS_URL`` set, the Redis fast path runs in front of the database. Server errors
+go to stderr, so a failing test shows the traceback the client never sees.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tests.settings import *  # noqa: F403
+from tests.settings import DATABASES, IDEMPOTENCY, LOGGING
+
+DATABASES["default"]["CONN_MAX_AGE"] = 60
+
+if os.environ.get("RELIABILITY_REDIS_URL"):
+    CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "idempotency": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": os.environ["RELIABILITY_REDIS_URL"],
+            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.25, "SOCKET_TIMEOUT": 0.25},
+        },
+    }
+    IDEMPOTENCY = {**IDEMPOTENCY, "CACHE_ALIAS": "idempotency"}
+
+LOGGING = {
+    **LOGGING,
+    "handlers": {
+        **LOGGING["handlers"],
+        "stderr": {"class": "logging.StreamHandler", "level": "ERROR"},
+    },
+    "loggers": {
+        **LOGGING["loggers"],
+        "django.request": {"handlers": ["stderr"], "level": "ERROR", "propagate": False},
+    },
+}

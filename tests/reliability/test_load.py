@@ -1,0 +1,53 @@
+"""Sustained load with retries and concurrent duplicates: exactly one effect per key.
+
+Several client processes post for ``RELIABILITY_LOAD_SECONDS`` (60 by default) to gunicorn with
+several workers, on a private PostgreSQL cluster. A tenth of the requests repeat an earlier key
+after it was answered, a twentieth are the same new key sent from two threads at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.reliability.load import Load, LoadConfig, figures, violations, widgets
+
+if TYPE_CHECKING:
+    from tests.reliability.services import PrivatePostgres, Serve
+
+pytest_plugins = ["tests.reliability.services"]
+
+LOAD_SECONDS = float(os.environ.get("RELIABILITY_LOAD_SECONDS", "60"))
+
+
+def report(capsys: pytest.CaptureFixture[str], name: str, stats: dict[str, object]) -> None:
+    """Figures are printed, never asserted on: the machine's speed is not under test."""
+    with capsys.disabled():
+        print(f"\n[reliability] {name}: {json.dumps(stats)}")
+
+
+def test_load_with_retries_and_concurrent_duplicates_has_one_effect_per_key(
+    private_postgres: PrivatePostgres, serve: Serve, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with serve(workers=4) as server:
+        config = LoadConfig(port=server.port, seconds=LOAD_SECONDS, start_at=time.time() + 3)
+        with Load(config) as load:
+            outcomes = load.results()
+    with private_postgres.connect() as connection:
+        effects = widgets(connection, config.prefix)
+    stats = figures(outcomes, config.seconds)
+    report(capsys, "load", stats)
+
+    problems = violations(outcomes, effects, allowed=frozenset({201, 409}))
+    assert not problems, "\n".join(problems[:40])
+    assert stats["sequential_retries"] and stats["concurrent_duplicates"], stats
+    # A key answered before is always replayed, never refused.
+    retries = [outcome for outcome in outcomes if outcome.kind == "retry"]
+    assert all(o.status == 201 and o.replay == "true" for o in retries)
+    # Every duplicate was answered 409 (with Retry-After, checked above) or replayed.
+    assert stats["duplicates"] == stats["conflicts_409"] + stats["replays"], stats
+    assert len(effects) == stats["keys"]
