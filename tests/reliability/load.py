@@ -27,7 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-PATH = "/api/widget/"
+#: Every way the app guards a view: the DRF mixin, ``@idempotent`` on a plain view, and the
+#: middleware (MIDDLEWARE_PATHS in tests/settings.py). Each key keeps its path.
+PATHS = ("/api/widget/", "/plain/function/", "/plain/middleware/")
 REPLAY_HEADER = "Idempotent-Replay"
 PROBLEM_JSON = "application/problem+json"
 
@@ -43,6 +45,7 @@ class LoadConfig:
     #: Share of new keys whose view sleeps ``slow_seconds`` inside its transaction.
     slow_fraction: float = 0.0
     slow_seconds: float = 0.0
+    paths: tuple[str, ...] = PATHS
     prefix: str = field(default_factory=lambda: f"load-{uuid.uuid4().hex[:8]}")
     #: ``time.time()`` at which every client starts, so fault timings line up with the load.
     start_at: float = 0.0
@@ -59,6 +62,7 @@ class Outcome:
 
     key: str
     kind: str  # "first", "retry", "duplicate" or "settle"
+    path: str
     payload: bytes
     started: float
     finished: float
@@ -77,11 +81,11 @@ class Outcome:
         return json.loads(self.body)
 
 
-def post(port: int, key: str, payload: bytes, kind: str, *, timeout: float = 60,
+def post(port: int, key: str, path: str, payload: bytes, kind: str, *, timeout: float = 60,
          barrier: threading.Barrier | None = None) -> Outcome:  # fmt: skip
     """POST ``payload`` with ``key``; with a barrier, connect first and send when both are ready."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    outcome = Outcome(key, kind, payload, started=0.0, finished=0.0)
+    outcome = Outcome(key, kind, path, payload, started=0.0, finished=0.0)
     try:
         if barrier is not None:
             connection.connect()
@@ -89,7 +93,7 @@ def post(port: int, key: str, payload: bytes, kind: str, *, timeout: float = 60,
         outcome.started = time.time()
         connection.request(
             "POST",
-            PATH,
+            path,
             body=payload,
             headers={"Content-Type": "application/json", "Idempotency-Key": key},
         )
@@ -110,10 +114,10 @@ def post(port: int, key: str, payload: bytes, kind: str, *, timeout: float = 60,
 
 def _thread(config: LoadConfig, name: str, outcomes: list[Outcome]) -> None:
     rng = random.Random(name)
-    answered: list[tuple[str, bytes]] = []
+    answered: list[tuple[str, str, bytes]] = []
     count = 0
 
-    def new_key() -> tuple[str, bytes]:
+    def new_key() -> tuple[str, str, bytes]:
         nonlocal count
         count += 1
         slow = rng.random() < config.slow_fraction
@@ -121,37 +125,37 @@ def _thread(config: LoadConfig, name: str, outcomes: list[Outcome]) -> None:
         body: dict[str, Any] = {"name": key}
         if slow:
             body["sleep"] = config.slow_seconds
-        return key, json.dumps(body).encode()
+        return key, rng.choice(config.paths), json.dumps(body).encode()
 
     while time.time() < config.deadline:
         roll = rng.random()
         if roll < config.retry_fraction and answered:
-            key, payload = rng.choice(answered)
-            outcomes.append(post(config.port, key, payload, "retry", timeout=config.timeout))
+            key, path, payload = rng.choice(answered)
+            outcomes.append(post(config.port, key, path, payload, "retry", timeout=config.timeout))
             continue
-        key, payload = new_key()
+        key, path, payload = new_key()
         if roll < config.retry_fraction + config.duplicate_fraction:
-            pair = duplicate(config.port, key, payload, timeout=config.timeout)
-            outcomes.extend(pair)
-            first = pair
+            first = duplicate(config.port, key, path, payload, timeout=config.timeout)
         else:
-            first = [post(config.port, key, payload, "first", timeout=config.timeout)]
-            outcomes.extend(first)
+            first = [post(config.port, key, path, payload, "first", timeout=config.timeout)]
+        outcomes.extend(first)
         if any(outcome.ok for outcome in first):
-            answered.append((key, payload))
+            answered.append((key, path, payload))
 
 
-def duplicate(port: int, key: str, payload: bytes, *, timeout: float = 60) -> list[Outcome]:
+def duplicate(
+    port: int, key: str, path: str, payload: bytes, *, timeout: float = 60
+) -> list[Outcome]:
     """The same request from two threads at once (both connected, released by a barrier)."""
     barrier = threading.Barrier(2)
     results: list[Outcome] = []
     other = threading.Thread(
         target=lambda: results.append(
-            post(port, key, payload, "duplicate", timeout=timeout, barrier=barrier)
+            post(port, key, path, payload, "duplicate", timeout=timeout, barrier=barrier)
         )
     )
     other.start()
-    mine = post(port, key, payload, "duplicate", timeout=timeout, barrier=barrier)
+    mine = post(port, key, path, payload, "duplicate", timeout=timeout, barrier=barrier)
     other.join(timeout * 2)
     return [mine, *results]
 
@@ -199,19 +203,19 @@ class Load:
 
 def settle(port: int, outcomes: Iterable[Outcome], deadline: float = 60) -> list[Outcome]:
     """Retry every key that has no 2xx answer yet, honouring Retry-After, until it has one."""
-    first_payload: dict[str, bytes] = {}
+    first: dict[str, Outcome] = {}
     answered: set[str] = set()
     for outcome in outcomes:
-        first_payload.setdefault(outcome.key, outcome.payload)
+        first.setdefault(outcome.key, outcome)
         if outcome.ok:
             answered.add(outcome.key)
-    pending = [key for key in first_payload if key not in answered]
+    pending = [key for key in first if key not in answered]
     end = time.monotonic() + deadline
 
     def retry(key: str) -> list[Outcome]:
         tries: list[Outcome] = []
         while time.monotonic() < end:
-            outcome = post(port, key, first_payload[key], "settle")
+            outcome = post(port, key, first[key].path, first[key].payload, "settle")
             tries.append(outcome)
             if outcome.ok:
                 break
@@ -315,6 +319,17 @@ def _answer_violations(
     return problems
 
 
+def report(capsys: Any, name: str, stats: dict[str, Any]) -> None:
+    """Figures are printed past pytest's capture, never asserted on: the machine's speed is not
+    under test."""
+    with capsys.disabled():
+        print(f"\n[reliability] {name}: {json.dumps(stats)}")
+
+
+def sleep_until(moment: float) -> None:
+    time.sleep(max(0.0, moment - time.time()))
+
+
 def figures(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
     """Counts for the report: throughput, how duplicates were answered, latencies."""
     by_key: dict[str, list[Outcome]] = defaultdict(list)
@@ -335,6 +350,7 @@ def figures(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
         "unavailable_503": statuses.get(503, 0),
         "no_answer": statuses.get(None, 0),
         "statuses": dict(sorted(((str(k), v) for k, v in statuses.items()))),
+        "by_path": dict(Counter(o.path for o in outcomes)),
         "latency_p50_ms": round(statistics.median(latencies) * 1000, 1) if latencies else None,
         "latency_p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 1)
         if latencies

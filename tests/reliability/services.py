@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,29 +91,46 @@ class PrivatePostgres:
         _run(["pg_ctlcluster", "--skip-systemctl-redirect", PG_VERSION, self.name, action],
              timeout=timeout)  # fmt: skip
 
-    def start(self) -> None:
-        self.ctl("start")
-        self.wait_ready()
+    def start(self) -> float:
+        """Start the server; returns the moment (``time.time()``) it first answered a query."""
+        return self._until_accepting("start", down_first=False)
 
     def stop(self) -> None:
         """A fast shutdown: open connections are terminated, as in a failover or a reboot."""
         self.ctl("stop")
 
-    def restart(self) -> None:
-        """A real server restart (fast shutdown, then start), not a reload."""
-        self.ctl("restart")
-        self.wait_ready()
+    def restart(self) -> float:
+        """A real server restart (fast shutdown, then start), not a reload; returns the moment
+        the new server first answered a query."""
+        return self._until_accepting("restart", down_first=True)
 
-    def wait_ready(self, deadline: float = 60) -> None:
+    def _until_accepting(self, action: str, *, down_first: bool, deadline: float = 60) -> float:
+        """Run ``action`` while polling the server: pg_ctlcluster returns seconds after the
+        server is back, which would overstate how long clients had to wait."""
         end = time.monotonic() + deadline
-        while time.monotonic() < end:
-            result = subprocess.run(
-                ["pg_isready", "-q", "-h", "127.0.0.1", "-p", str(self.port)], check=False
-            )
-            if result.returncode == 0:
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"private PostgreSQL on {self.port} did not become ready")
+        with ThreadPoolExecutor(1) as pool:
+            command = pool.submit(self.ctl, action)
+            went_down = not down_first
+            accepting = None
+            while accepting is None:
+                if time.monotonic() > end:
+                    raise RuntimeError(f"private PostgreSQL not back {deadline}s after {action}")
+                up = self._answers()
+                if not up:
+                    went_down = True
+                elif went_down or command.done():
+                    accepting = time.time()
+                time.sleep(0.01)
+            command.result()
+        return accepting
+
+    def _answers(self) -> bool:
+        try:
+            with self.connect("postgres") as connection:
+                connection.execute("SELECT 1")
+        except Exception:  # any failure to connect or to answer means "not up"
+            return False
+        return True
 
     def connect(self, database: str | None = None) -> Any:
         """A psycopg connection in autocommit, for counting effects behind the server's back."""
@@ -124,7 +142,7 @@ class PrivatePostgres:
             user="postgres",
             dbname=database or self.database,
             autocommit=True,
-            connect_timeout=10,
+            connect_timeout=5,
         )
 
     def server_env(self) -> dict[str, str]:

@@ -8,6 +8,7 @@ go to stderr, so a failing test shows the traceback the client never sees.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from tests.settings import *  # noqa: F403
@@ -26,11 +27,20 @@ if os.environ.get("RELIABILITY_REDIS_URL"):
     }
     IDEMPOTENCY = {**IDEMPOTENCY, "CACHE_ALIAS": "idempotency"}
 
+
+class NotUnavailable(logging.Filter):
+    """503s are expected while the database is down; every other server error is shown."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "status_code", None) != 503
+
+
 LOGGING = {
     **LOGGING,
+    "filters": {"not_503": {"()": NotUnavailable}},
     "handlers": {
         **LOGGING["handlers"],
-        "stderr": {"class": "logging.StreamHandler", "level": "ERROR"},
+        "stderr": {"class": "logging.StreamHandler", "level": "ERROR", "filters": ["not_503"]},
     },
     "loggers": {
         **LOGGING["loggers"],

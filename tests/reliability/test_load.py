@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.reliability.load import Load, LoadConfig, figures, violations, widgets
+from tests.reliability.load import (
+    Load,
+    LoadConfig,
+    Outcome,
+    figures,
+    report,
+    violations,
+    widgets,
+)
 
 if TYPE_CHECKING:
     from tests.reliability.services import PrivatePostgres, Serve
@@ -22,12 +30,6 @@ if TYPE_CHECKING:
 pytest_plugins = ["tests.reliability.services"]
 
 LOAD_SECONDS = float(os.environ.get("RELIABILITY_LOAD_SECONDS", "60"))
-
-
-def report(capsys: pytest.CaptureFixture[str], name: str, stats: dict[str, object]) -> None:
-    """Figures are printed, never asserted on: the machine's speed is not under test."""
-    with capsys.disabled():
-        print(f"\n[reliability] {name}: {json.dumps(stats)}")
 
 
 def test_load_with_retries_and_concurrent_duplicates_has_one_effect_per_key(
@@ -51,3 +53,25 @@ def test_load_with_retries_and_concurrent_duplicates_has_one_effect_per_key(
     # Every duplicate was answered 409 (with Retry-After, checked above) or replayed.
     assert stats["duplicates"] == stats["conflicts_409"] + stats["replays"], stats
     assert len(effects) == stats["keys"]
+
+
+def test_the_checks_catch_a_second_effect_an_unfaithful_replay_and_a_500() -> None:
+    """The load tests pass only if these checks can fail: they are checked on made-up answers."""
+
+    def answer(
+        status: int | None, body: dict[str, object] | None, replay: str = "false"
+    ) -> Outcome:
+        return Outcome(
+            "k-1", "first", "/api/widget/", b"{}", 0.0, 0.0, status=status, replay=replay,
+            retry_after="1", content_type="application/json",
+            body=json.dumps(body).encode() if body else b"",
+        )  # fmt: skip
+
+    original = answer(201, {"id": 1, "name": "k-1"})
+    assert violations([original], {"k-1": [1]}) == []
+    assert violations([original], {"k-1": [1, 2]})  # two effects
+    assert violations([original], {})  # an answer without its effect
+    assert violations([original, answer(201, {"id": 1, "name": "k-1"})], {"k-1": [1]})  # ran twice
+    assert violations([original, answer(201, {"id": 2, "name": "k-1"}, "true")], {"k-1": [1]})
+    assert violations([original, answer(500, None)], {"k-1": [1]})
+    assert violations([answer(409, None)], {})  # never served
