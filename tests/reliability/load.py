@@ -241,18 +241,29 @@ def widgets(connection: Any, prefix: str) -> dict[str, list[int]]:
     return found
 
 
+def records(connection: Any, prefix: str) -> dict[str, tuple[str, int]]:
+    """The idempotency record of each key of this run: (status, attempts)."""
+    rows = connection.execute(
+        "SELECT key, status, attempts FROM django_idempotency_idempotencyrecord WHERE key LIKE %s",
+        [f"{prefix}-%"],
+    ).fetchall()
+    return {key: (status, attempts) for key, status, attempts in rows}
+
+
 def violations(
     outcomes: list[Outcome],
     effects: dict[str, list[int]],
     *,
     allowed: frozenset[int | None] = frozenset({201, 409}),
+    keys: dict[str, tuple[str, int]] | None = None,
 ) -> list[str]:
     """Everything that breaks exactly-once or the HTTP contract; empty when all is well.
 
     Per key: every 2xx names the one Widget row of that key; at most one 2xx says it is not a
     replay; every replay repeats the original's status and body byte for byte; every 409 has
     a Retry-After; every 503 is problem+json without a traceback. Every key ended with a 2xx,
-    and has exactly one effect.
+    and has exactly one effect; with ``keys`` (from :func:`records`), its record is COMPLETED,
+    so no key is left stuck.
     """
     problems: list[str] = []
     by_key: dict[str, list[Outcome]] = defaultdict(list)
@@ -263,6 +274,8 @@ def violations(
             problems.append(f"{name}: {len(ids)} effect(s) for a key never sent")
     for key, answers in by_key.items():
         problems += _key_violations(key, answers, effects.get(key, []), allowed)
+        if keys is not None and keys.get(key, ("absent", 0))[0] != "COMPLETED":
+            problems.append(f"{key}: record is {keys.get(key, ('absent', 0))}, not COMPLETED")
     return problems
 
 

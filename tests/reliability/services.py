@@ -269,6 +269,15 @@ class PrivateRedis:
             self.process.wait(30)
         _wait_for_port(self.port, listening=False)
 
+    def freeze(self) -> None:
+        """SIGSTOP: the port still accepts connections, but nothing answers (a hung Redis)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def client(self) -> Any:
         import redis
 

@@ -23,6 +23,7 @@ from tests.reliability.load import (
     LoadConfig,
     Outcome,
     figures,
+    records,
     report,
     settle,
     sleep_until,
@@ -126,13 +127,14 @@ def test_worker_killed_mid_request_loses_nothing_and_its_key_is_taken_over(
         settled = settle(server.port, outcomes)
     with private_postgres.connect() as connection:
         effects = widgets(connection, config.prefix)
+        keys = records(connection, config.prefix)
     everything = outcomes + settled
     stats = figures(outcomes, config.seconds)
     stats["killed_keys"] = len(kills)
     stats["settle_requests"] = len(settled)
     report(capsys, "worker SIGKILL", stats)
 
-    problems = violations(everything, effects, allowed=frozenset({201, 409, None}))
+    problems = violations(everything, effects, allowed=frozenset({201, 409, None}), keys=keys)
     assert not problems, "\n".join(problems[:40])
     # Exactly the killed requests went unanswered; the master replaced the workers.
     assert {o.key for o in outcomes if o.status is None} == {kill.key for kill in kills}
@@ -167,6 +169,7 @@ def test_postgresql_restart_under_load_answers_503_and_recovers_by_itself(
         settled = settle(server.port, outcomes)
     with private_postgres.connect() as connection:
         effects = widgets(connection, config.prefix)
+        keys = records(connection, config.prefix)
     everything = outcomes + settled
     unavailable = [o for o in outcomes if o.status == 503]
     stats = figures(outcomes, config.seconds)
@@ -182,13 +185,17 @@ def test_postgresql_restart_under_load_answers_503_and_recovers_by_itself(
             for o in unavailable
         ),
         "keys_with_503": len({o.key for o in unavailable}),
+        # Keys whose request had claimed them when the database went away: the release could
+        # not reach the database either, so a retry took the key over after its lease.
+        "keys_taken_over": sum(attempts > 1 for _, attempts in keys.values()),
         "settle_requests": len(settled),
     }
     report(capsys, "PostgreSQL restart", stats)
 
-    problems = violations(everything, effects, allowed=frozenset({201, 409, 503}))
+    problems = violations(everything, effects, allowed=frozenset({201, 409, 503}), keys=keys)
     assert not problems, "\n".join(problems[:40])
     assert stats["restart_503s"] and stats["stop_503s"], "no client saw the database go away"
+    assert stats["keys_taken_over"], "no request was between its claim and its completion"
     # Back without intervention: new requests succeed, and soon nothing is refused any more.
     assert stats["restart_recovered_s"] is not None
     assert stats["stop_recovered_s"] is not None
@@ -215,42 +222,55 @@ def _redis_entries(redis: PrivateRedis) -> dict[str, bytes]:
     return entries
 
 
-def test_redis_lost_under_load_falls_back_to_the_database_and_comes_back(
+def test_redis_hung_then_lost_under_load_falls_back_to_the_database_and_comes_back(
     private_postgres: PrivatePostgres,
     private_redis: PrivateRedis,
     serve: Serve,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with serve(workers=4, RELIABILITY_REDIS_URL=private_redis.url) as server:
-        config = _start(server.port)
+        config = _start(server.port, max(FAULT_SECONDS, 15))
+        at = [config.start_at + config.seconds * n / 5 for n in range(1, 5)]
         with Load(config) as load:
-            sleep_until(config.start_at + config.seconds / 3)
+            sleep_until(at[0])
             entries_before = len(_redis_entries(private_redis))
+            frozen = time.time()
+            private_redis.freeze()  # hung: every command runs into the socket timeout
+            sleep_until(at[1])
+            private_redis.thaw()
+            thawed = time.time()
+            sleep_until(at[2])
             killed = time.time()
-            private_redis.kill()
-            sleep_until(config.start_at + config.seconds * 2 / 3)
+            private_redis.kill()  # gone: every connection is refused, every entry lost
+            sleep_until(at[3])
             private_redis.start()
             back = time.time()
             outcomes = load.results()
         entries_after = _redis_entries(private_redis)
     with private_postgres.connect() as connection:
         effects = widgets(connection, config.prefix)
-    during = [o for o in outcomes if killed < o.started and o.finished < back]
+        keys = records(connection, config.prefix)
     later = {o.key for o in outcomes if o.ok and o.replay == "false" and o.started > back + 1}
     cached_later = {key for key in later if entries_after.get(key, b"").startswith(b"C")}
+
+    def answered(start: float, end: float) -> int:
+        return sum(o.ok for o in outcomes if start < o.started and o.finished < end)
+
     stats = figures(outcomes, config.seconds)
     stats |= {
-        "redis_entries_before_kill": entries_before,
-        "answered_while_redis_down": sum(o.ok for o in during),
+        "redis_entries_before_faults": entries_before,
+        "answered_while_redis_hung": answered(frozen, thawed),
+        "answered_while_redis_down": answered(killed, back),
         "keys_after_return": len(later),
         "keys_after_return_cached_in_redis": len(cached_later),
     }
-    report(capsys, "Redis lost", stats)
+    report(capsys, "Redis hung and lost", stats)
 
     # Served from the database alone, correctly: no 5xx at all, one effect per key.
-    problems = violations(outcomes, effects, allowed=frozenset({201, 409}))
+    problems = violations(outcomes, effects, allowed=frozenset({201, 409}), keys=keys)
     assert not problems, "\n".join(problems[:40])
-    assert entries_before > 0, "the fast path was not in use before Redis went away"
+    assert entries_before > 0, "the fast path was not in use before Redis failed"
+    assert stats["answered_while_redis_hung"] > 0
     assert stats["answered_while_redis_down"] > 0
     # The fast path is used again: keys completed after Redis came back are copied to it.
     assert later and len(cached_later) >= len(later) / 2, stats
