@@ -21,6 +21,7 @@ import statistics
 import threading
 import time
 import uuid
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +55,14 @@ class LoadConfig:
     @property
     def deadline(self) -> float:
         return self.start_at + self.seconds
+
+    def request_for(self, key: str) -> tuple[str, bytes]:
+        """The path and body every request with ``key`` sends: both follow from the key, so a
+        test can repeat any key it reads back from the database."""
+        body: dict[str, Any] = {"name": key}
+        if key.endswith("-slow"):
+            body["sleep"] = self.slow_seconds
+        return self.paths[zlib.crc32(key.encode()) % len(self.paths)], json.dumps(body).encode()
 
 
 @dataclass
@@ -122,10 +131,7 @@ def _thread(config: LoadConfig, name: str, outcomes: list[Outcome]) -> None:
         count += 1
         slow = rng.random() < config.slow_fraction
         key = f"{name}-{count}{'-slow' if slow else ''}"
-        body: dict[str, Any] = {"name": key}
-        if slow:
-            body["sleep"] = config.slow_seconds
-        return key, rng.choice(config.paths), json.dumps(body).encode()
+        return key, *config.request_for(key)
 
     while time.time() < config.deadline:
         roll = rng.random()
@@ -355,6 +361,7 @@ def figures(outcomes: list[Outcome], seconds: float) -> dict[str, Any]:
         "requests_per_second": round(len(outcomes) / seconds, 1),
         "keys": len(by_key),
         "sequential_retries": sum(o.kind == "retry" for o in outcomes),
+        "sequential_retries_409": sum(o.kind == "retry" and o.status == 409 for o in outcomes),
         "concurrent_duplicates": sum(o.kind == "duplicate" for o in outcomes) // 2,
         # Requests beyond the first of their key: sequential retries, the second of each pair.
         "duplicates": len(outcomes) - len(by_key),

@@ -6,7 +6,8 @@ the test did; leftovers of an earlier run that crashed (its pytest process is go
 before a new one is made.
 
 Used as a pytest plugin (``pytest_plugins = ["tests.reliability.services"]``) so the cluster is
-made once per session, whichever test module asks first.
+made once per session, whichever test module asks first. Its classes may be imported by other
+modules before that, so pytest is told not to rewrite it: PYTEST_DONT_REWRITE.
 """
 
 from __future__ import annotations

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from tests.settings import *  # noqa: F403
-from tests.settings import DATABASES, IDEMPOTENCY, LOGGING
+from tests.settings import DATABASES, IDEMPOTENCY
+from tests.settings import LOGGING as BASE_LOGGING
 
 DATABASES["default"]["CONN_MAX_AGE"] = 60
 
@@ -35,15 +37,16 @@ class NotUnavailable(logging.Filter):
         return getattr(record, "status_code", None) != 503
 
 
+_base: dict[str, Any] = BASE_LOGGING
 LOGGING = {
-    **LOGGING,
+    **_base,
     "filters": {"not_503": {"()": NotUnavailable}},
     "handlers": {
-        **LOGGING["handlers"],
+        **_base["handlers"],
         "stderr": {"class": "logging.StreamHandler", "level": "ERROR", "filters": ["not_503"]},
     },
     "loggers": {
-        **LOGGING["loggers"],
+        **_base["loggers"],
         "django.request": {"handlers": ["stderr"], "level": "ERROR", "propagate": False},
     },
 }

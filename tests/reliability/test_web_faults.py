@@ -14,7 +14,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -23,6 +23,7 @@ from tests.reliability.load import (
     LoadConfig,
     Outcome,
     figures,
+    post,
     records,
     report,
     settle,
@@ -42,7 +43,7 @@ FAULT_SECONDS = float(os.environ.get("RELIABILITY_FAULT_SECONDS", "12"))
 LEASE_SECONDS = "3"
 
 
-def _start(port: int, seconds: float = FAULT_SECONDS, **options: float) -> LoadConfig:
+def _start(port: int, seconds: float = FAULT_SECONDS, **options: Any) -> LoadConfig:
     return LoadConfig(port=port, seconds=seconds, start_at=time.time() + 2, **options)
 
 
@@ -85,29 +86,40 @@ def _socket_owner(pids: list[int], local_port: int, remote_port: int) -> int | N
 
 
 def kill_worker_mid_request(
-    postgres: PrivatePostgres, server: Server, prefix: str, deadline: float = 5
+    postgres: PrivatePostgres, server: Server, prefix: str, deadline: float = 10
 ) -> Kill:
     """SIGKILL the gunicorn worker whose request is inside its transaction right now.
 
     A slow request sleeps in the view after inserting its Widget, so its database session is
     "idle in transaction" with that INSERT as its last statement: the key is in the statement,
-    and the session's client port leads to the worker process.
+    and the session's client port leads to the worker process. The worker is stopped first and
+    the session looked at again, so the kill cannot land after the request moved on.
     """
     pattern = re.compile(rf"'({re.escape(prefix)}-[\w-]+-slow)'")
+    in_transaction = (
+        "SELECT client_port, query FROM pg_stat_activity "
+        "WHERE datname = %s AND state = 'idle in transaction' AND query LIKE %s"
+    )
     end = time.monotonic() + deadline
     with postgres.connect() as connection:
         while time.monotonic() < end:
             rows = connection.execute(
-                "SELECT client_port, query FROM pg_stat_activity "
-                "WHERE datname = %s AND state = 'idle in transaction' AND query LIKE %s",
-                [postgres.database, f"%{prefix}-%-slow%"],
+                in_transaction, [postgres.database, f"%{prefix}-%-slow%"]
             ).fetchall()
             for client_port, query in rows:
                 match = pattern.search(query)
                 pid = _socket_owner(server.worker_pids(), client_port, postgres.port)
-                if match and pid:
+                if not (match and pid):
+                    continue
+                os.kill(pid, signal.SIGSTOP)
+                still = connection.execute(
+                    in_transaction + " AND client_port = %s AND query = %s",
+                    [postgres.database, f"%{prefix}-%-slow%", client_port, query],
+                ).fetchone()
+                if still:
                     os.kill(pid, signal.SIGKILL)
                     return Kill(pid, match.group(1), time.time())
+                os.kill(pid, signal.SIGCONT)  # it moved on meanwhile: look again
             time.sleep(0.02)
     raise AssertionError("no request was inside its transaction to kill")
 
@@ -117,20 +129,24 @@ def test_worker_killed_mid_request_loses_nothing_and_its_key_is_taken_over(
 ) -> None:
     with serve(workers=4, IDEMPOTENCY_TEST_LEASE_SECONDS=LEASE_SECONDS) as server:
         config = _start(server.port, slow_fraction=0.2, slow_seconds=1.0)
-        kills = []
+        kills, early = [], []
         with Load(config) as load:
             for offset in (3, 7):
                 sleep_until(config.start_at + offset)
-                kills.append(kill_worker_mid_request(private_postgres, server, config.prefix))
+                kill = kill_worker_mid_request(private_postgres, server, config.prefix)
+                kills.append(kill)
+                # The dead request still holds the key: a retry now is told to come back later.
+                early.append(post(server.port, kill.key, *config.request_for(kill.key), "early"))
             outcomes = load.results()
         workers_after = server.worker_pids()
         settled = settle(server.port, outcomes)
     with private_postgres.connect() as connection:
         effects = widgets(connection, config.prefix)
         keys = records(connection, config.prefix)
-    everything = outcomes + settled
+    everything = outcomes + early + settled
     stats = figures(outcomes, config.seconds)
     stats["killed_keys"] = len(kills)
+    stats["early_retry_answers"] = [(o.status, o.retry_after) for o in early]
     stats["settle_requests"] = len(settled)
     report(capsys, "worker SIGKILL", stats)
 
@@ -140,6 +156,9 @@ def test_worker_killed_mid_request_loses_nothing_and_its_key_is_taken_over(
     assert {o.key for o in outcomes if o.status is None} == {kill.key for kill in kills}
     assert len(workers_after) == 4
     assert not {kill.pid for kill in kills} & set(workers_after)
+    for answer in early:
+        assert answer.status == 409, answer.body
+        assert 1 <= int(answer.retry_after or 0) <= float(LEASE_SECONDS), answer.retry_after
     for kill in kills:
         final = next(o for o in everything if o.key == kill.key and o.ok)
         # The retry took the dead request's key over once its lease ran out.
@@ -254,7 +273,8 @@ def test_redis_hung_then_lost_under_load_falls_back_to_the_database_and_comes_ba
     cached_later = {key for key in later if entries_after.get(key, b"").startswith(b"C")}
 
     def answered(start: float, end: float) -> int:
-        return sum(o.ok for o in outcomes if start < o.started and o.finished < end)
+        """2xx answers to requests sent while Redis was failing."""
+        return sum(o.ok for o in outcomes if start < o.started < end)
 
     stats = figures(outcomes, config.seconds)
     stats |= {
