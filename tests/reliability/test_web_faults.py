@@ -280,6 +280,9 @@ def test_redis_hung_then_lost_under_load_falls_back_to_the_database_and_comes_ba
     stats |= {
         "redis_entries_before_faults": entries_before,
         "answered_while_redis_hung": answered(frozen, thawed),
+        "latency_while_redis_hung_p50_ms": figures(
+            [o for o in outcomes if frozen < o.started < thawed], 1
+        )["latency_p50_ms"],
         "answered_while_redis_down": answered(killed, back),
         "keys_after_return": len(later),
         "keys_after_return_cached_in_redis": len(cached_later),
