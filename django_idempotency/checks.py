@@ -32,6 +32,7 @@ W003 = "django_idempotency.W003"  # SQLite without IMMEDIATE transactions outsid
 W004 = "django_idempotency.W004"  # middleware placed before AuthenticationMiddleware
 E040 = "django_idempotency.E040"  # CACHE_ALIAS is not None or a configured cache alias
 E041 = "django_idempotency.E041"  # CACHE_ALIAS names a cache that is not django-redis
+E042 = "django_idempotency.E042"  # CACHE_RETRY_SECONDS is not a number >= 0
 W040 = "django_idempotency.W040"  # the CACHE_ALIAS cache has no socket timeouts
 E060 = "django_idempotency.E060"  # REGISTER_ADMIN, METRICS or TRACING is not a bool
 W060 = "django_idempotency.W060"  # METRICS set to True but prometheus_client is not installed
@@ -284,7 +285,19 @@ _DJANGO_REDIS_BACKEND = "django_redis.cache.RedisCache"
 def check_fast_path(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
     """The Redis fast path needs a django-redis cache that fails fast when Redis hangs."""
     user = getattr(settings, "IDEMPOTENCY", {})
-    alias = user.get("CACHE_ALIAS") if isinstance(user, dict) else None
+    if not isinstance(user, dict):
+        return []  # E001 already says IDEMPOTENCY is not a dict
+    retry = user.get("CACHE_RETRY_SECONDS", DEFAULTS["CACHE_RETRY_SECONDS"])
+    if not _is_number(retry) or retry < 0:
+        return [
+            Error(
+                f"IDEMPOTENCY['CACHE_RETRY_SECONDS'] must be a number of seconds >= 0, "
+                f"not {retry!r}.",
+                hint="0 retries Redis on every request; the default is 5.",
+                id=E042,
+            )
+        ]
+    alias = user.get("CACHE_ALIAS")
     if alias is None:
         return []
     caches_setting = getattr(settings, "CACHES", {})

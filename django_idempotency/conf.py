@@ -33,6 +33,7 @@ DEFAULTS: dict[str, Any] = {
     "LOG_KEYS": False,
     # Redis fast path: the django-redis cache alias to use, or None for the database only.
     "CACHE_ALIAS": None,
+    "CACHE_RETRY_SECONDS": 5,
     # Operations: admin registration, Prometheus metrics, OpenTelemetry spans.
     "REGISTER_ADMIN": True,
     "METRICS": True,
@@ -163,6 +164,10 @@ class IdempotencySettings:
     def CACHE_ALIAS(self) -> str | None:
         alias = self.get("CACHE_ALIAS")
         return None if alias is None else str(alias)
+
+    @property
+    def CACHE_RETRY_SECONDS(self) -> float:
+        return float(self.get("CACHE_RETRY_SECONDS"))
 
     @property
     def REGISTER_ADMIN(self) -> bool:

@@ -14,7 +14,8 @@ record). The database stays the source of truth; Redis may only make an answer c
 * Every write that replaces or removes a marker compares the owner token first (Lua scripts), so
   a request can only ever touch its own marker.
 * Any Redis error is logged, sent as :data:`~django_idempotency.signals.fast_path_failed` and
-  answered by the database path instead.
+  answered by the database path instead. The process then leaves Redis alone for
+  ``CACHE_RETRY_SECONDS``, so a Redis that hangs costs one timeout, not one per request.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import hashlib
 import json
 import logging
 import math
+import time
 import uuid
 from datetime import datetime
 from functools import cache
@@ -95,8 +97,24 @@ return 0
 """
 
 
+#: Per cache alias, when this process may use Redis again after an error (monotonic clock).
+_resting_until: dict[str, float] = {}
+
+
 def enabled() -> bool:
     return conf.CACHE_ALIAS is not None
+
+
+def _in_use() -> bool:
+    """Enabled, and not resting after a recent error. The database answers meanwhile."""
+    alias = conf.CACHE_ALIAS
+    return alias is not None and time.monotonic() >= _resting_until.get(alias, 0.0)
+
+
+def _rest() -> None:
+    alias, pause = conf.CACHE_ALIAS, conf.CACHE_RETRY_SECONDS
+    if alias is not None and pause > 0:
+        _resting_until[alias] = time.monotonic() + pause
 
 
 def _client() -> Any:
@@ -153,7 +171,7 @@ def claim(identity: Identity, owner_token: uuid.UUID) -> tuple[Decision | None, 
     ``marked`` says our marker is now set, and must be released unless the database claim
     lets this request run.
     """
-    if not enabled():
+    if not _in_use():
         return None, False
     lease_ms = max(1, int(conf.LEASE_SECONDS * 1000))
     try:
@@ -203,7 +221,7 @@ def _decide(value: bytes, remaining_ms: int, identity: Identity) -> Decision | N
 
 def completed(lease: Lease, stored: StoredResponse, expires_at: datetime) -> None:
     """After commit: swap our marker for the response, to expire with the database record."""
-    if not enabled():
+    if not _in_use():
         return
     identity = lease.identity
     remaining_ms = int((expires_at - timezone.now()).total_seconds() * 1000)
@@ -224,7 +242,7 @@ def completed(lease: Lease, stored: StoredResponse, expires_at: datetime) -> Non
 
 def release(identity: Identity, owner_token: uuid.UUID) -> None:
     """Delete our marker, compared by owner token, so a retry need not wait for it to expire."""
-    if not enabled():
+    if not _in_use():
         return
     try:
         _script(
@@ -238,7 +256,10 @@ def release(identity: Identity, owner_token: uuid.UUID) -> None:
 
 
 def forget(scope: str, key: str) -> None:
-    """Delete the entry whoever wrote it: its database record is gone."""
+    """Delete the entry whoever wrote it: its database record is gone.
+
+    Tried even while resting after an error: a copy left behind could replay a released key.
+    """
     if not enabled():
         return
     try:
@@ -257,6 +278,7 @@ def _forget_released(sender: Any, scope: str, key: str, reason: str = "", **kwar
 def _failed(
     operation: str, scope: str, key: str, exc: BaseException, level: int = logging.WARNING
 ) -> None:
+    _rest()
     logger.log(
         level,
         "idempotency Redis fast path failed; using the database",

@@ -8,7 +8,7 @@ import pytest
 from django.conf import settings
 from rest_framework.test import APIClient
 
-from django_idempotency import signals
+from django_idempotency import fastpath, signals
 from tests.backends import service_url
 from tests.testapp import views
 
@@ -34,6 +34,14 @@ def redis_url() -> str:
 @pytest.fixture
 def amqp_url() -> str:
     return require_service("amqp")
+
+
+@pytest.fixture(autouse=True)
+def fast_path_awake() -> Iterator[None]:
+    """A Redis error in one test must not leave the fast path resting in the next."""
+    fastpath._resting_until.clear()
+    yield
+    fastpath._resting_until.clear()
 
 
 @pytest.fixture

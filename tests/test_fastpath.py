@@ -348,8 +348,9 @@ def private_redis(settings: Any) -> Iterator[PrivateRedis]:
 
 
 def test_redis_stopped_and_restarted_between_requests(
-    private_redis, client, failures, django_assert_num_queries
+    private_redis, client, failures, django_assert_num_queries, idempotency_settings
 ):
+    idempotency_settings(CACHE_RETRY_SECONDS=0)  # try Redis on every request: no resting
     first = post(client, "before")
     assert first.status_code == 201
     with django_assert_num_queries(0):
@@ -406,6 +407,42 @@ def test_redis_stopped_in_the_middle_of_a_concurrent_run(private_redis):
     for key in keys:
         assert Widget.objects.filter(name=key).count() == 1
         assert sorted(replay for k, _, replay in statuses if k == key) == ["false", "true"]
+
+
+def test_after_a_redis_error_the_process_rests_then_tries_redis_again(
+    private_redis, client, failures, django_assert_num_queries, idempotency_settings
+):
+    pause = 3.0
+    idempotency_settings(CACHE_RETRY_SECONDS=pause)
+    private_redis.stop()
+    failed_at = time.monotonic()
+    assert post(client, "first").status_code == 201
+    # Resting: the completion's copy and every later request leave Redis alone.
+    assert post(client, "second").status_code == 201
+    assert post(client, "second")["Idempotent-Replay"] == "true"
+    assert time.monotonic() - failed_at < pause, "the machine was too slow to see the rest"
+    assert [failure["operation"] for failure in failures] == ["claim"]
+
+    private_redis.start()
+    time.sleep(max(0.0, pause - (time.monotonic() - failed_at)) + 0.1)
+    assert post(client, "third").status_code == 201
+    with django_assert_num_queries(0):
+        assert post(client, "third")["Idempotent-Replay"] == "true"
+    assert len(failures) == 1
+
+
+def test_a_released_key_copy_is_deleted_even_while_resting(
+    private_redis, failures, key, idempotency_settings
+):
+    idempotency_settings(CACHE_RETRY_SECONDS=60)
+    private_redis.stop()
+    fastpath.claim(identity(key), uuid.uuid4())
+    private_redis.start()
+    client = get_redis_connection(ALIAS)
+    client.set(fastpath.redis_key("s", key), b"stale copy")
+    signals.key_released.send(sender=IdempotencyRecord, scope="s", key=key, reason="admin")
+    assert client.get(fastpath.redis_key("s", key)) is None
+    assert [failure["operation"] for failure in failures] == ["claim"]
 
 
 def test_failed_forget_is_reported_loudly(private_redis, failures, key):

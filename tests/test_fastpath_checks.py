@@ -1,4 +1,4 @@
-"""System checks for the Redis fast path settings (E040, E041, W040)."""
+"""System checks for the Redis fast path settings (E040, E041, E042, W040)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,18 @@ def test_not_django_redis(settings):
 def test_no_socket_timeouts(settings):
     untimed = {**REDIS, "OPTIONS": {}}
     assert ids(settings, "default", {"default": untimed}) == [checks.W040]
+
+
+@pytest.mark.parametrize("retry", [-1, "5", None, True])
+def test_retry_seconds_must_be_a_number_at_least_zero(settings, retry):
+    settings.IDEMPOTENCY = {"CACHE_RETRY_SECONDS": retry}
+    assert [message.id for message in checks.check_fast_path()] == [checks.E042]
+
+
+@pytest.mark.parametrize("retry", [0, 0.5, 30])
+def test_retry_seconds_accepts_zero_and_more(settings, retry):
+    settings.IDEMPOTENCY = {"CACHE_RETRY_SECONDS": retry}
+    assert checks.check_fast_path() == []
 
 
 def test_checks_are_bound(settings):
