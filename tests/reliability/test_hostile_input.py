@@ -4,7 +4,13 @@ cannot express (raw header bytes, CR/LF, duplicate headers, chunked bodies), a r
 
 After every request: never a 500; a refused key is a 400 problem+json that stores nothing; no
 PROCESSING record remains; every COMPLETED record holds its response, and a retry replays it
-byte for byte without running the view again.
+byte for byte without running the view again. A body Django cannot parse at all (a broken
+multipart boundary, too many fields) is Django's own 400, answered before any claim.
+
+The views (tests/testapp/hostile_views.py) answer what they cannot read with a 4xx themselves,
+so a 500 can only come from the idempotency layer. Plain DRF views are not that careful: DRF's
+JSON parser lets the RecursionError of deeply nested JSON through as a 500 (the key is then
+released, as for any exception).
 """
 
 from __future__ import annotations
@@ -302,7 +308,7 @@ header_values = st.one_of(
 )
 
 
-@bounded(250)
+@bounded(200)
 @given(raw_key=header_values, endpoint=st.sampled_from(ENDPOINTS))
 def test_any_header_value_is_stored_exactly_or_refused(raw_key: str, endpoint: Endpoint) -> None:
     """Any header value: the key the spec names is stored and replayed, anything else is a 400
@@ -345,7 +351,7 @@ def bodies(draw: st.DrawFn) -> BodyCase:
     return BodyCase("mangled", base.body[:cut] + noise + base.body[cut:], base.content_type)
 
 
-@bounded(250)
+@bounded(200)
 @given(
     body=bodies(),
     endpoint=st.sampled_from(ENDPOINTS),

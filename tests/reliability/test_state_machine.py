@@ -418,7 +418,7 @@ def test_random_interleavings_of_workers_keep_the_invariants() -> None:
     from three workers on three keys, checking the model and the invariants after every step."""
     STATS.clear()
     started = time.monotonic()
-    settings = bounded(30, stateful_step_count=40)
+    settings = bounded(25, stateful_step_count=40)
     with override_settings(IDEMPOTENCY={"LEASE_SECONDS": LEASE_SECONDS}):
         run_state_machine_as_test(LeaseMachine, settings=settings)
     elapsed = time.monotonic() - started
