@@ -47,8 +47,8 @@ from django_idempotency.exceptions import (
     TransactionInProgress,
 )
 from django_idempotency.fingerprint import (
-    canonical_path,
     hand_over_cleanup,
+    recorded_path,
     request_fingerprint,
 )
 from django_idempotency.instrumentation import instrumented
@@ -148,7 +148,7 @@ def identify(request: HttpRequest, key: str, *, scope: str, fingerprint: str) ->
         key=key,
         fingerprint=fingerprint,
         method=request.method or "",
-        path=canonical_path(request),
+        path=recorded_path(request),
     )
 
 

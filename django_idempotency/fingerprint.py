@@ -8,18 +8,25 @@ never stored.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
+import re
 from tempfile import SpooledTemporaryFile
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponseBase, QueryDict
-from django.http.multipartparser import MultiPartParser
+from django.http.multipartparser import MultiPartParser, MultiPartParserError
 from django.utils.datastructures import MultiValueDict
 
 _CHUNK = 64 * 1024
+#: What decoding a body under a client's declared charset may raise besides a clean
+#: UnicodeDecodeError: a codec that is not a text encoding (``charset=base64``), or one that
+#: refuses the error handler or any input (``idna``, ``undefined``).
+_CHARSET_ERRORS = (LookupError, UnicodeError)
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def canonical_path(request: HttpRequest) -> str:
@@ -31,16 +38,29 @@ def canonical_path(request: HttpRequest) -> str:
     return f"{request.path}?{urlencode(pairs)}"
 
 
+def recorded_path(request: HttpRequest) -> str:
+    """:func:`canonical_path` as the record stores it, control characters percent-encoded.
+
+    The middleware claims before URL resolution, so any path reaches the record: PostgreSQL
+    text cannot hold NUL, and CR/LF have no place in an admin column. The fingerprint still
+    hashes the path itself.
+    """
+    return _CONTROL_CHARS.sub(lambda char: f"%{ord(char.group()):02X}", canonical_path(request))
+
+
 def request_fingerprint(request: HttpRequest) -> str:
     """Hex SHA-256 identifying what the request asks for, independent of body formatting."""
     digest = hashlib.sha256()
     digest.update(f"{request.method}\n{canonical_path(request)}\n".encode())
     content_type = request.content_type or ""
+    if not _charset_decodes(request.encoding):
+        # Django's own parsers would raise on this body; its raw bytes still identify the
+        # request, and the view answers the client's mistake itself.
+        content_type = ""
     if content_type == "multipart/form-data":
         _hash_multipart(request, digest)
     elif content_type == "application/x-www-form-urlencoded" and _fits_in_memory(request):
-        fields = QueryDict(request.body, encoding=request.encoding)
-        digest.update(b"form\n" + _canonical_fields(fields))
+        digest.update(_canonical_form(request))
     elif _is_json(content_type) and _fits_in_memory(request):
         digest.update(_canonical_json(request.body))
     elif _fits_in_memory(request):
@@ -48,6 +68,26 @@ def request_fingerprint(request: HttpRequest) -> str:
     else:
         _hash_raw_stream(request, digest)
     return digest.hexdigest()
+
+
+def _charset_decodes(encoding: str | None) -> bool:
+    """Whether text can be decoded under the request's charset, as Django's parsers do it."""
+    if encoding is None:
+        return True
+    try:
+        b"name=value".decode(encoding)
+        b"name=value\xff".decode(encoding, "replace")
+    except _CHARSET_ERRORS:
+        return False
+    return codecs.lookup(encoding)._is_text_encoding
+
+
+def _canonical_form(request: HttpRequest) -> bytes:
+    try:
+        fields = QueryDict(request.body, encoding=request.encoding)
+    except _CHARSET_ERRORS:
+        return b"raw\n" + request.body
+    return b"form\n" + _canonical_fields(fields)
 
 
 def _is_json(content_type: str) -> bool:
@@ -92,14 +132,21 @@ def _hash_multipart(request: HttpRequest, digest: Any) -> None:
     """Field values plus a streamed digest of each file; uploads never sit in memory whole."""
     fields: QueryDict
     files: MultiValueDict[str, Any]
-    if request.method == "POST":
-        fields, files = request.POST, request.FILES
-    else:
-        # Django parses multipart only for POST; parse it here and leave the result where
-        # ``request.POST``/``FILES`` (and DRF's form parsing) will find it.
-        parser = MultiPartParser(request.META, request, request.upload_handlers, request.encoding)
-        fields, files = parser.parse()
-        request._post, request._files = fields, files  # type: ignore[attr-defined]
+    try:
+        if request.method == "POST":
+            fields, files = request.POST, request.FILES
+        else:
+            # Django parses multipart only for POST; parse it here and leave the result where
+            # ``request.POST``/``FILES`` (and DRF's form parsing) will find it.
+            parser = MultiPartParser(
+                request.META, request, request.upload_handlers, request.encoding
+            )
+            fields, files = parser.parse()
+            request._post, request._files = fields, files  # type: ignore[attr-defined]
+    except _CHARSET_ERRORS as exc:
+        # The stream is spent, so there are no raw bytes to fall back on: answer as Django
+        # answers any multipart body it cannot parse, with a 400.
+        raise MultiPartParserError(f"Undecodable multipart body: {exc}") from exc
     digest.update(b"multipart\n" + _canonical_fields(fields) + b"\n")
     for name in sorted(files):
         for upload in files.getlist(name):

@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import RequestFactory
 
-from django_idempotency.fingerprint import canonical_path, request_fingerprint
+from django_idempotency.fingerprint import canonical_path, recorded_path, request_fingerprint
 
 factory = RequestFactory()
 
@@ -79,3 +79,23 @@ def _multipart(fields: dict[str, str], file: tuple[str, str, bytes]) -> bytes:
         b"",
     ]
     return b"\r\n".join(lines)
+
+
+def test_charsets_that_cannot_decode_text_fall_back_to_raw_bytes():
+    for charset in ("base64", "undefined", "idna", "punycode"):
+        for content_type, body in (
+            ("application/x-www-form-urlencoded", b"name=w\xff"),
+            ("multipart/form-data; boundary=BoUnDaRy", _multipart({"a": "b"}, ("f", "f", b"x"))),
+        ):
+            declared = f"{content_type}; charset={charset}"
+            request = factory.generic("POST", "/p/", body, content_type=declared)
+            again = factory.generic("POST", "/p/", body, content_type=declared)
+            other = factory.generic("POST", "/p/", body + b"!", content_type=declared)
+            assert request_fingerprint(request) == request_fingerprint(again), charset
+            assert request_fingerprint(request) != request_fingerprint(other), charset
+
+
+def test_recorded_path_percent_encodes_control_characters():
+    request = factory.post("/p/a\x00b\x1b\x7f/?q=%00")
+    assert recorded_path(request) == "/p/a%00b%1B%7F/?q=%00"
+    assert request_fingerprint(request) != request_fingerprint(factory.post("/p/a%00b%1B%7F/"))

@@ -3,7 +3,7 @@ from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
 from django_idempotency.decorators import idempotent
-from tests.testapp import views
+from tests.testapp import hostile_views, views
 
 router = DefaultRouter()
 router.register("widgets", views.WidgetViewSet)
@@ -25,4 +25,10 @@ urlpatterns = [
     path("plain/publish/", views.publish_view),
     path("plain/relay/", views.relay_view),
     path("metrics/", views.metrics_view),
+    # tests/reliability: hostile input and security
+    path("api/hostile/", hostile_views.HostileAPIView.as_view()),
+    path("api/hostile-function/", hostile_views.hostile_api_function_view),
+    path("plain/hostile/", hostile_views.hostile_decorated_view),
+    path("plain/middleware/hostile/", hostile_views.hostile_middleware_view),
+    path("plain/leaky/", hostile_views.leaky_view),
 ]
