@@ -385,6 +385,7 @@ E026 = "django_idempotency.E026"  # an outbox boolean setting is not a bool
 W020 = "django_idempotency.W020"  # INBOX_RETENTION shorter than the redelivery horizon
 W021 = "django_idempotency.W021"  # an idempotent consumer task without acks_late
 W022 = "django_idempotency.W022"  # database without SELECT ... FOR UPDATE SKIP LOCKED
+W023 = "django_idempotency.W023"  # an idempotent consumer task without reject_on_worker_lost
 
 _OUTBOX_COUNTS = ("OUTBOX_BATCH_SIZE", "OUTBOX_MAX_ATTEMPTS", "SWEEP_BATCH_SIZE")
 _OUTBOX_DURATIONS = (
@@ -548,6 +549,19 @@ def check_consumers(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> 
                         "message and it is lost, not redelivered."
                     ),
                     id=W021,
+                )
+            )
+        elif not task.reject_on_worker_lost:
+            warnings.append(
+                Warning(
+                    f"Idempotent consumer task {task.name!r} runs without reject_on_worker_lost.",
+                    hint=(
+                        "Use @shared_task(acks_late=True, reject_on_worker_lost=True) (or "
+                        "task_reject_on_worker_lost = True): with the prefork pool, Celery "
+                        "acknowledges the message of a pool process that died mid-task, and it "
+                        "is lost. Silence this only for a worker pool that is not prefork."
+                    ),
+                    id=W023,
                 )
             )
     horizon, source = _redelivery_horizon(current_app, tasks, merged)

@@ -83,7 +83,7 @@ def test_idempotent_task_without_acks_late_warns():
         def early_ack():
             pass
 
-        @app.task(shared=False, acks_late=True, name="checks.late_ack")
+        @app.task(shared=False, acks_late=True, reject_on_worker_lost=True, name="checks.late_ack")
         @idempotent_consumer
         def late_ack():
             pass
@@ -91,6 +91,29 @@ def test_idempotent_task_without_acks_late_warns():
         warnings = checks.check_consumers()
     assert ids(warnings) == [checks.W021]
     assert "checks.early_ack" in warnings[0].msg
+
+
+def test_idempotent_task_without_reject_on_worker_lost_warns():
+    with current_celery_app() as app:
+
+        @app.task(shared=False, acks_late=True, name="checks.lost_with_its_worker")
+        @idempotent_consumer
+        def lost_with_its_worker():
+            pass
+
+        warnings = checks.check_consumers()
+        assert ids(warnings) == [checks.W023]
+        assert "checks.lost_with_its_worker" in warnings[0].msg
+        app.conf.task_reject_on_worker_lost = True
+        # The setting reaches tasks created after it; a new task reads it.
+
+        @app.task(shared=False, acks_late=True, name="checks.rejected_on_loss")
+        @idempotent_consumer
+        def rejected_on_loss():
+            pass
+
+        names = [warning.msg for warning in checks.check_consumers()]
+    assert not any("checks.rejected_on_loss" in name for name in names)
 
 
 def test_inbox_retention_shorter_than_the_visibility_timeout_warns():
@@ -108,6 +131,7 @@ def test_inbox_retention_shorter_than_a_task_retry_span_warns():
         @app.task(
             shared=False,
             acks_late=True,
+            reject_on_worker_lost=True,
             max_retries=10,
             default_retry_delay=3600,
             name="checks.slow",
