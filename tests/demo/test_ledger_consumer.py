@@ -136,7 +136,8 @@ def test_a_consumer_that_fails_leaves_nothing_and_runs_again(payment: Payment) -
     broken = {**event.payload, "destination_account": "no_such_account"}
     OutboxEvent.objects.filter(pk=event.pk).update(payload=broken)
     with settings_with(OUTBOX_PUBLISHERS=IN_PROCESS_ROUTES), Relay() as relay:
-        stats = relay.drain()
+        # One pass: drain() could claim it again if its jittered backoff came out near zero.
+        stats = relay.run_once()
         assert (stats.published, stats.failed) == (0, 1)
         event.refresh_from_db()
         assert "no_such_account" in event.last_error
