@@ -256,6 +256,14 @@ def records(connection: Any, prefix: str) -> dict[str, tuple[str, int]]:
     return {key: (status, attempts) for key, status, attempts in rows}
 
 
+def read_back(
+    database: Any, prefix: str
+) -> tuple[dict[str, list[int]], dict[str, tuple[str, int]]]:
+    """What the run left in ``database`` (a private cluster): effects and records by key."""
+    with database.connect() as connection:
+        return widgets(connection, prefix), records(connection, prefix)
+
+
 def violations(
     outcomes: list[Outcome],
     effects: dict[str, list[int]],

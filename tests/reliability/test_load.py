@@ -19,10 +19,9 @@ from tests.reliability.load import (
     LoadConfig,
     Outcome,
     figures,
-    records,
+    read_back,
     report,
     violations,
-    widgets,
 )
 
 if TYPE_CHECKING:
@@ -40,9 +39,7 @@ def test_load_with_retries_and_concurrent_duplicates_has_one_effect_per_key(
         config = LoadConfig(port=server.port, seconds=LOAD_SECONDS, start_at=time.time() + 3)
         with Load(config) as load:
             outcomes = load.results()
-    with private_postgres.connect() as connection:
-        effects = widgets(connection, config.prefix)
-        keys = records(connection, config.prefix)
+    effects, keys = read_back(private_postgres, config.prefix)
     stats = figures(outcomes, config.seconds)
     report(capsys, "load", stats)
 

@@ -24,12 +24,11 @@ from tests.reliability.load import (
     Outcome,
     figures,
     post,
-    records,
+    read_back,
     report,
     settle,
     sleep_until,
     violations,
-    widgets,
 )
 
 if TYPE_CHECKING:
@@ -140,9 +139,7 @@ def test_worker_killed_mid_request_loses_nothing_and_its_key_is_taken_over(
             outcomes = load.results()
         workers_after = server.worker_pids()
         settled = settle(server.port, outcomes)
-    with private_postgres.connect() as connection:
-        effects = widgets(connection, config.prefix)
-        keys = records(connection, config.prefix)
+    effects, keys = read_back(private_postgres, config.prefix)
     everything = outcomes + early + settled
     stats = figures(outcomes, config.seconds)
     stats["killed_keys"] = len(kills)
@@ -186,9 +183,7 @@ def test_postgresql_restart_under_load_answers_503_and_recovers_by_itself(
             started = private_postgres.start()
             outcomes = load.results()
         settled = settle(server.port, outcomes)
-    with private_postgres.connect() as connection:
-        effects = widgets(connection, config.prefix)
-        keys = records(connection, config.prefix)
+    effects, keys = read_back(private_postgres, config.prefix)
     everything = outcomes + settled
     unavailable = [o for o in outcomes if o.status == 503]
     stats = figures(outcomes, config.seconds)
@@ -266,9 +261,7 @@ def test_redis_hung_then_lost_under_load_falls_back_to_the_database_and_comes_ba
             back = time.time()
             outcomes = load.results()
         entries_after = _redis_entries(private_redis)
-    with private_postgres.connect() as connection:
-        effects = widgets(connection, config.prefix)
-        keys = records(connection, config.prefix)
+    effects, keys = read_back(private_postgres, config.prefix)
     later = {o.key for o in outcomes if o.ok and o.replay == "false" and o.started > back + 1}
     cached_later = {key for key in later if entries_after.get(key, b"").startswith(b"C")}
 
