@@ -162,8 +162,8 @@ def main() -> None:
     from django.test import Client
     from django.urls import reverse
 
-    from django_idempotency import health
     from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
+    from django_idempotency.operations import health
 
     call_command("migrate", verbosity=0)
     fill(IdempotencyRecord._meta.db_table, FILL_SQL, [args.rows], args.rows, args.refill)

@@ -40,7 +40,7 @@ def measure(iterations: int, use_redis: bool) -> dict[str, Any]:
     from django.http import HttpResponse
     from django.test import override_settings
 
-    from django_idempotency import engine
+    from django_idempotency.request import engine
 
     def view() -> HttpResponse:
         return HttpResponse(b'{"id": 1}', status=201, content_type="application/json")

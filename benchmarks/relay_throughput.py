@@ -31,8 +31,8 @@ from django.test import override_settings  # noqa: E402
 
 from django_idempotency.models import OutboxEvent  # noqa: E402
 from django_idempotency.outbox import publish  # noqa: E402
+from django_idempotency.outbox.relay import Relay  # noqa: E402
 from django_idempotency.publishers.memory import broker  # noqa: E402
-from django_idempotency.relay import Relay  # noqa: E402
 
 
 def fill(count: int, keys: int) -> None:

@@ -1,7 +1,7 @@
 """Django admin for the people on call: stuck keys, dead events and consumers' inboxes.
 
 Rows are read-only: nothing a form could edit would leave the state machine consistent. State
-changes go through actions that call :mod:`django_idempotency.operations` and report counts.
+changes go through actions that call :mod:`django_idempotency.operations.actions` and report counts.
 ``IDEMPOTENCY["REGISTER_ADMIN"] = False`` skips the registration on ``admin.site`` (read once,
 when the admin autodiscovers this module); call :func:`register` for a site of your own.
 """
@@ -29,10 +29,11 @@ from django.utils.text import Truncator, capfirst
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency import health, operations
+from django_idempotency import operations
 from django_idempotency.conf import conf
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
-from django_idempotency.operations import ReleaseResult, release_records
+from django_idempotency.operations import health
+from django_idempotency.operations.actions import ReleaseResult, release_records
 from django_idempotency.querysets import PROCESSING, OutboxStatus, lease_expired_q
 
 if TYPE_CHECKING:

@@ -10,10 +10,8 @@ class IdempotencyConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_idempotency import (
-            checks,  # noqa: F401  (registers the system checks)
-            fastpath,  # noqa: F401  (listens to key_released)
-        )
+        from django_idempotency import checks  # noqa: F401  (registers the system checks)
+        from django_idempotency.request import fastpath  # noqa: F401  (listens to key_released)
 
         if find_spec("drf_spectacular") is not None:
             # Registers the schema extension that documents idempotent endpoints.
@@ -22,6 +20,6 @@ class IdempotencyConfig(AppConfig):
         # Metrics are optional (the "metrics" extra): count only where prometheus_client exists.
         # The receivers read IDEMPOTENCY["METRICS"] on every call, so the setting stays live.
         if checks.importable("prometheus_client"):
-            from django_idempotency import metrics
+            from django_idempotency.operations import metrics
 
             metrics.connect()

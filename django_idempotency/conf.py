@@ -20,7 +20,7 @@ DEFAULTS: dict[str, Any] = {
     "KEY_REQUIRED": True,
     "LEASE_SECONDS": 30,
     "TTL_SECONDS": 86400,
-    "SCOPE_RESOLVER": "django_idempotency.scopes.user_scope",
+    "SCOPE_RESOLVER": "django_idempotency.request.scopes.user_scope",
     "ANONYMOUS_SCOPE": "anonymous",
     "STORED_STATUS_CODES": range(100, 500),
     "REPLAY_HEADER": "Idempotent-Replay",

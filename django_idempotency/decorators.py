@@ -8,7 +8,7 @@ from typing import Any, TypeVar, overload
 
 from django.http import HttpRequest, HttpResponseBase
 
-from django_idempotency import engine
+from django_idempotency.request import engine
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 

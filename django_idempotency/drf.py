@@ -15,7 +15,6 @@ from django.http import HttpResponseBase
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from django_idempotency import engine
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import (
     IdempotencyHTTPError,
@@ -23,8 +22,13 @@ from django_idempotency.exceptions import (
     LeaseLostConflict,
     StoreUnavailable,
 )
-from django_idempotency.fingerprint import hand_over_cleanup, prepare_body, request_fingerprint
-from django_idempotency.responses import PROBLEM_CONTENT_TYPE
+from django_idempotency.request import engine
+from django_idempotency.request.fingerprint import (
+    hand_over_cleanup,
+    prepare_body,
+    request_fingerprint,
+)
+from django_idempotency.request.responses import PROBLEM_CONTENT_TYPE
 
 if TYPE_CHECKING:
     from rest_framework.views import APIView

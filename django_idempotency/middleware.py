@@ -16,8 +16,8 @@ from typing import Any
 from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.http import HttpRequest, HttpResponseBase
 
-from django_idempotency import engine
 from django_idempotency.conf import conf
+from django_idempotency.request import engine
 
 
 @lru_cache(maxsize=64)

@@ -26,7 +26,7 @@ from drf_spectacular.plumbing import ComponentRegistry, ResolvedComponent, get_c
 from rest_framework.views import APIView
 
 from django_idempotency.conf import conf
-from django_idempotency.responses import PROBLEM_CONTENT_TYPE
+from django_idempotency.request.responses import PROBLEM_CONTENT_TYPE
 
 __all__ = ["IdempotentAutoSchema", "IdempotentSchemaMixin", "document_operation"]
 

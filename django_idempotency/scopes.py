@@ -1,15 +1,19 @@
-"""Scope resolvers: turn a request into the namespace its keys live in."""
+"""Deprecated alias, kept so that old imports keep working; see the import path below.
 
-from __future__ import annotations
+Import from ``django_idempotency.request.scopes`` instead; this module goes in 2.0.
+"""
 
+import warnings
 from typing import Any
 
-from django_idempotency.conf import conf
+from django_idempotency.request import scopes as _target
 
 
-def user_scope(request: Any) -> str:
-    """The authenticated user, else the one anonymous scope (``ANONYMOUS_SCOPE``)."""
-    user = getattr(request, "user", None)
-    if user is not None and user.is_authenticated:
-        return f"user:{user.pk}"
-    return conf.ANONYMOUS_SCOPE
+def __getattr__(name: str) -> Any:
+    warnings.warn(
+        f"django_idempotency.scopes is deprecated; "
+        f"import {name} from django_idempotency.request.scopes.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(_target, name)

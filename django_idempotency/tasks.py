@@ -38,7 +38,7 @@ def _task(func: F) -> F:
 @_task
 def relay_outbox(batch_size: int | None = None, max_batches: int = 50) -> dict[str, int]:
     """Publish due outbox events until none are left (or ``max_batches``)."""
-    from django_idempotency.relay import Relay
+    from django_idempotency.outbox.relay import Relay
 
     with Relay(batch_size=batch_size) as relay:
         return relay.drain(max_batches=max_batches).as_dict()
@@ -46,21 +46,21 @@ def relay_outbox(batch_size: int | None = None, max_batches: int = 50) -> dict[s
 
 @_task
 def sweep_idempotency_records(batch_size: int | None = None) -> int:
-    from django_idempotency.sweeps import sweep_expired_records
+    from django_idempotency.operations.sweeps import sweep_expired_records
 
     return sweep_expired_records(batch_size=batch_size)
 
 
 @_task
 def sweep_outbox_events(batch_size: int | None = None) -> int:
-    from django_idempotency.sweeps import sweep_published_events
+    from django_idempotency.operations.sweeps import sweep_published_events
 
     return sweep_published_events(batch_size=batch_size)
 
 
 @_task
 def sweep_processed_messages(batch_size: int | None = None) -> int:
-    from django_idempotency.sweeps import sweep_processed_messages as sweep
+    from django_idempotency.operations.sweeps import sweep_processed_messages as sweep
 
     return sweep(batch_size=batch_size)
 

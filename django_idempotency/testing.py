@@ -16,9 +16,9 @@ from django.db import connections
 
 from django_idempotency import signals
 from django_idempotency.models import OutboxEvent
+from django_idempotency.outbox.relay import Relay, RelayStats
 from django_idempotency.publishers.base import OutboxMessage
 from django_idempotency.publishers.memory import broker
-from django_idempotency.relay import Relay, RelayStats
 
 #: ``OUTBOX_PUBLISHERS`` that sends every topic to the in-memory broker.
 MEMORY_ROUTES = {"*": "django_idempotency.publishers.memory.MemoryPublisher"}

@@ -8,7 +8,8 @@ import pytest
 from django.conf import settings
 from rest_framework.test import APIClient
 
-from django_idempotency import fastpath, signals
+from django_idempotency import signals
+from django_idempotency.request import fastpath
 from tests.backends import service_url
 from tests.testapp import views
 

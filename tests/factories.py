@@ -11,9 +11,9 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 from factory.django import DjangoModelFactory
 
-from django_idempotency.engine import Identity
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 from django_idempotency.querysets import COMPLETED, PROCESSING, OutboxStatus
+from django_idempotency.request.engine import Identity
 
 
 def _ago(seconds: float):

@@ -11,10 +11,11 @@ from django.http import HttpResponse, StreamingHttpResponse
 from django.utils import timezone
 from freezegun import freeze_time
 
-from django_idempotency import engine, signals
+from django_idempotency import signals
 from django_idempotency.exceptions import LeaseLost
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.responses import StoredResponse
+from django_idempotency.request import engine
+from django_idempotency.request.responses import StoredResponse
 from tests.factories import identity
 from tests.testapp.models import Widget
 

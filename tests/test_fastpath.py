@@ -20,8 +20,9 @@ from django.utils import timezone
 from django_redis import get_redis_connection
 from rest_framework.test import APIClient
 
-from django_idempotency import engine, fastpath, signals
+from django_idempotency import signals
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.request import engine, fastpath
 from tests.testapp.models import Widget
 
 pytestmark = pytest.mark.django_db(transaction=True)

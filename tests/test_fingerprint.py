@@ -3,7 +3,11 @@ from __future__ import annotations
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import RequestFactory
 
-from django_idempotency.fingerprint import canonical_path, recorded_path, request_fingerprint
+from django_idempotency.request.fingerprint import (
+    canonical_path,
+    recorded_path,
+    request_fingerprint,
+)
 
 factory = RequestFactory()
 

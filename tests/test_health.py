@@ -9,9 +9,9 @@ from django.db import connection
 from django.urls import reverse
 from django.utils import timezone
 
-from django_idempotency import health
 from django_idempotency.admin import EstimatingPaginator
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
+from django_idempotency.operations import health
 from tests.factories import IdempotencyRecordFactory, OutboxEventFactory
 
 pytestmark = pytest.mark.django_db

@@ -12,9 +12,9 @@ from freezegun import freeze_time
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIRequestFactory
 
-from django_idempotency import engine
-from django_idempotency.fingerprint import request_fingerprint
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.request import engine
+from django_idempotency.request.fingerprint import request_fingerprint
 from tests.factories import UserFactory
 from tests.testapp.models import Widget
 

@@ -1,7 +1,7 @@
 import pytest
 
 from django_idempotency.exceptions import IdempotencyKeyInvalid
-from django_idempotency.keys import parse_key, redact
+from django_idempotency.request.keys import parse_key, redact
 
 
 @pytest.mark.parametrize(

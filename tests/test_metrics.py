@@ -9,11 +9,11 @@ from django.http import HttpResponse
 from django.test import override_settings
 from django.utils import timezone
 
-from django_idempotency import engine
 from django_idempotency.exceptions import LeaseLost
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import release_records
 from django_idempotency.querysets import PROCESSING
+from django_idempotency.request import engine
 from tests.metrics_support import SampleDelta
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -12,12 +12,12 @@ from django.utils import timezone
 from freezegun import freeze_time
 from prometheus_client import CollectorRegistry
 
-from django_idempotency import health, sweeps
 from django_idempotency.inbox import consume_once
-from django_idempotency.metrics import OutboxCollector
 from django_idempotency.models import OutboxEvent
+from django_idempotency.operations import health, sweeps
+from django_idempotency.operations.metrics import OutboxCollector
+from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
-from django_idempotency.relay import Relay
 from django_idempotency.testing import deliver_twice
 from tests.factories import OutboxEventFactory
 from tests.metrics_support import SampleDelta

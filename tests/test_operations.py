@@ -12,11 +12,11 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from django_idempotency import engine
 from django_idempotency.exceptions import LeaseLost
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import ReleaseResult, release_records
-from django_idempotency.responses import StoredResponse
+from django_idempotency.request import engine
+from django_idempotency.request.responses import StoredResponse
 from tests.factories import IdempotencyRecordFactory
 
 

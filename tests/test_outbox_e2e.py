@@ -11,7 +11,7 @@ from kombu import Connection, Exchange, Queue
 from django_idempotency.inbox import consume_once
 from django_idempotency.models import OutboxEvent, ProcessedMessage
 from django_idempotency.outbox import publish
-from django_idempotency.relay import Relay
+from django_idempotency.outbox.relay import Relay
 from tests.outbox_support import database_env, settings_with, spawned, wait_for
 from tests.testapp.models import Widget
 

@@ -12,8 +12,8 @@ from django.utils import timezone
 from django_idempotency.models import OutboxEvent
 from django_idempotency.operations import EventResult, discard_events, retry_events
 from django_idempotency.outbox import discard, retry_dead
+from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
-from django_idempotency.relay import Relay
 from tests.factories import OutboxEventFactory
 from tests.outbox_support import HeldTransaction, settings_with, wait_for
 

@@ -6,9 +6,9 @@ from django.db import connection, transaction
 from django_idempotency import signals
 from django_idempotency.exceptions import DuplicateEventId, TransactionRequired, UnroutableTopic
 from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox import NOTIFY_CHANNEL, publish
+from django_idempotency.outbox.publish import NOTIFY_CHANNEL, publish
+from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
-from django_idempotency.relay import Relay
 from tests.outbox_support import (
     is_postgresql,
     publish_committed,

@@ -17,13 +17,13 @@ from django_idempotency.exceptions import (
     UnroutableTopic,
 )
 from django_idempotency.models import OutboxEvent
+from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers import OutboxMessage, Publisher, PublisherSet, resolve_route
 from django_idempotency.publishers.amqp import AMQPPublisher
 from django_idempotency.publishers.celery import CeleryPublisher
 from django_idempotency.publishers.log import LoggingPublisher
 from django_idempotency.publishers.memory import MemoryPublisher
 from django_idempotency.publishers.webhook import WebhookPublisher, sign, verify_signature
-from django_idempotency.relay import Relay
 from tests.outbox_support import publish_committed, settings_with
 from tests.proxy import tcp_proxy
 

@@ -12,8 +12,8 @@ from django_idempotency import signals
 from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import discard, publish, retry_dead
+from django_idempotency.outbox.relay import Relay, backoff_delay
 from django_idempotency.publishers.memory import broker
-from django_idempotency.relay import Relay, backoff_delay
 from tests.outbox_support import HeldTransaction, is_postgresql, publish_committed, settings_with
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -6,8 +6,8 @@ from django.db import connections, transaction
 
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import publish
+from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
-from django_idempotency.relay import Relay
 from tests.outbox_support import settings_with
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.concurrency]
@@ -88,7 +88,7 @@ def test_sweeps_running_at_once_delete_each_row_once():
     from django.utils import timezone
 
     from django_idempotency.models import ProcessedMessage
-    from django_idempotency.sweeps import sweep_processed_messages
+    from django_idempotency.operations.sweeps import sweep_processed_messages
 
     old = timezone.now() - timedelta(days=365)
     ProcessedMessage.objects.bulk_create(

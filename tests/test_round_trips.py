@@ -13,7 +13,7 @@ import pytest
 from django.db import connection
 from django.http import HttpResponse
 
-from django_idempotency import engine
+from django_idempotency.request import engine
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,12 +8,12 @@ from django.utils import timezone
 
 from django_idempotency import signals, tasks
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
-from django_idempotency.publishers.memory import broker
-from django_idempotency.sweeps import (
+from django_idempotency.operations.sweeps import (
     sweep_expired_records,
     sweep_processed_messages,
     sweep_published_events,
 )
+from django_idempotency.publishers.memory import broker
 from tests.outbox_support import publish_committed, settings_with
 
 pytestmark = pytest.mark.django_db(transaction=True)

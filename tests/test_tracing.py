@@ -8,10 +8,11 @@ from django.test import override_settings
 from django.utils import timezone
 from opentelemetry.trace import SpanKind, StatusCode
 
-from django_idempotency import engine, tracing
+from django_idempotency import tracing
 from django_idempotency.exceptions import LeaseLost
-from django_idempotency.keys import redact
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.request import engine
+from django_idempotency.request.keys import redact
 
 
 def by_name(exporter):

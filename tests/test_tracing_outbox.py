@@ -16,8 +16,8 @@ from django_idempotency import tracing
 from django_idempotency.inbox import consume_once
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import publish
+from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
-from django_idempotency.relay import Relay
 from tests.outbox_support import publish_committed, settings_with
 from tests.testapp import tasks  # noqa: F401  (registers the task on every Celery app)
 from tests.testapp.models import Widget

@@ -13,7 +13,7 @@ from demo_project.payments import services, tasks
 from demo_project.payments.models import Account, LedgerEntry, Payment
 from django_idempotency import signals
 from django_idempotency.models import OutboxEvent, ProcessedMessage
-from django_idempotency.relay import Relay
+from django_idempotency.outbox.relay import Relay
 from django_idempotency.testing import assert_publishes, deliver_concurrently, deliver_twice
 from tests.outbox_support import settings_with
 

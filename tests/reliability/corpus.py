@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, settings
 
-from django_idempotency.keys import MAX_KEY_LENGTH
+from django_idempotency.request.keys import MAX_KEY_LENGTH
 
 
 def bounded(max_examples: int, *, stateful_step_count: int | None = None) -> settings:

@@ -30,9 +30,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
-from django_idempotency.keys import MAX_KEY_LENGTH
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.querysets import COMPLETED, PROCESSING
+from django_idempotency.request.keys import MAX_KEY_LENGTH
 from tests.reliability import corpus
 from tests.reliability.corpus import BODIES, KEYS, PATH_SUFFIXES, RAW, BodyCase, bounded
 from tests.servers import gunicorn

@@ -24,13 +24,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
-from django_idempotency import engine
 from django_idempotency.checks import W002, check_settings
 from django_idempotency.conf import SENSITIVE_HEADERS
 from django_idempotency.exceptions import LeaseLost
-from django_idempotency.fingerprint import request_fingerprint
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 from django_idempotency.querysets import PROCESSING, OutboxStatus
+from django_idempotency.request import engine
+from django_idempotency.request.fingerprint import request_fingerprint
 from tests.admin_support import login, post_action
 from tests.factories import (
     IdempotencyRecordFactory,

@@ -45,10 +45,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from django_idempotency import engine, sweeps
 from django_idempotency.exceptions import LeaseLost
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.operations import sweeps
 from django_idempotency.querysets import COMPLETED, PROCESSING
+from django_idempotency.request import engine
 from tests.reliability.corpus import bounded
 from tests.testapp.models import Widget
 

@@ -189,7 +189,7 @@ def publish_view(request: HttpRequest) -> HttpResponse:
 
 def relay_view(request: HttpRequest) -> HttpResponse:
     """Relays everything due from this (gunicorn worker) process: the multiprocess metrics test."""
-    from django_idempotency.relay import Relay
+    from django_idempotency.outbox.relay import Relay
 
     with Relay() as relay:
         stats = relay.drain()
@@ -202,7 +202,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from django_idempotency.metrics import OutboxCollector
+    from django_idempotency.operations.metrics import OutboxCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry)

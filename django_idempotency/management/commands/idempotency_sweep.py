@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_idempotency.sweeps import SWEEPS
+from django_idempotency.operations.sweeps import SWEEPS
 
 
 class Command(BaseCommand):

@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_idempotency.conf import conf
 from django_idempotency.models import OutboxEvent
-from django_idempotency.relay import Relay, RelayStats
+from django_idempotency.outbox.relay import Relay, RelayStats
 
 #: Exit status when some events failed to publish (they are retried later, or DEAD).
 EXIT_FAILURES = 3

@@ -37,12 +37,12 @@ from django.utils import timezone
 from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import IdempotencyConfigurationError
-from django_idempotency.keys import redact
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.responses import StoredResponse
+from django_idempotency.request.keys import redact
+from django_idempotency.request.responses import StoredResponse
 
 if TYPE_CHECKING:
-    from django_idempotency.engine import Decision, Identity, Lease
+    from django_idempotency.request.engine import Decision, Identity, Lease
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def claim(identity: Identity, owner_token: uuid.UUID) -> tuple[Decision | None, 
 
 def _decide(value: bytes, remaining_ms: int, identity: Identity) -> Decision | None:
     """A decision from an entry that matches this request exactly; ``None`` asks the database."""
-    from django_idempotency.engine import Conflict, Replay
+    from django_idempotency.request.engine import Conflict, Replay
 
     fingerprint = identity.fingerprint.encode()
     if value.startswith(_MARKER):
@@ -269,7 +269,7 @@ def forget(scope: str, key: str) -> None:
         _failed("forget", scope, key, exc, level=logging.ERROR)
 
 
-@receiver(signals.key_released, dispatch_uid="django_idempotency.fastpath.forget")
+@receiver(signals.key_released, dispatch_uid="django_idempotency.request.fastpath.forget")
 def _forget_released(sender: Any, scope: str, key: str, reason: str = "", **kwargs: Any) -> None:
     if reason not in _OWNED_RELEASE_REASONS:
         forget(scope, key)

@@ -65,7 +65,7 @@ from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox import NOTIFY_CHANNEL
+from django_idempotency.outbox.publish import NOTIFY_CHANNEL
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 from django_idempotency.publishers.routing import PublisherSet
 from django_idempotency.querysets import (

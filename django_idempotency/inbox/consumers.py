@@ -201,7 +201,7 @@ def _running_task(args: tuple[Any, ...]) -> Any:
     if task is None:
         raise IdempotencyError(
             "@idempotent_consumer only works inside a Celery task (put it below @shared_task); "
-            "for other consumers use django_idempotency.inbox.consume_once()."
+            "for other consumers use django_idempotency.inbox.consumers.consume_once()."
         )
     return task
 

@@ -2,8 +2,7 @@
 
 The event commits or rolls back with the business writes it describes; the relay (relay.py)
 sends it after commit. The event keeps the W3C ``traceparent`` of the span that published it
-(the HTTP request, say), so the consumer's span can link back to it. ``retry_dead`` and
-``discard`` are the short forms of the operator's actions in operations.py.
+(the HTTP request, say), so the consumer's span can link back to it.
 """
 
 from __future__ import annotations
@@ -17,16 +16,14 @@ from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connections, router, transaction
-from django.db.models import QuerySet
 from django.utils import timezone
 
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import DuplicateEventId, TransactionRequired
-from django_idempotency.inbox import derived_event_id
+from django_idempotency.inbox.consumers import derived_event_id
 from django_idempotency.models import OutboxEvent
 from django_idempotency.publishers.routing import resolve_route
-from django_idempotency.querysets import OutboxStatus
 
 logger = logging.getLogger(__name__)
 
@@ -174,28 +171,9 @@ def _json(name: str, value: Any) -> Any:
     return value
 
 
-# --- services for people (the admin, scripts) --------------------------------------------------
+# --- the kick, for the operator's actions ------------------------------------------------------
 
 
 def kick_after_commit(using: str) -> None:
     """Kick the relay once the current transaction commits (at once outside one)."""
     transaction.on_commit(_AfterCommit(using, 0), using=using, robust=True)
-
-
-def retry_dead(queryset: QuerySet[OutboxEvent] | None = None) -> int:
-    """Bring DEAD events back to PENDING with a fresh attempt count; returns how many.
-
-    The relay picks them up on its next pass, in their original order: they keep their ids.
-    :func:`~django_idempotency.operations.retry_events` also retries failing PENDING events.
-    """
-    from django_idempotency.operations import retry_events
-
-    events = queryset if queryset is not None else OutboxEvent.objects.all()
-    return retry_events(events.filter(status=OutboxStatus.DEAD)).changed
-
-
-def discard(queryset: QuerySet[OutboxEvent]) -> int:
-    """Delete DEAD events for good, releasing the events queued behind them on their keys."""
-    from django_idempotency.operations import discard_events
-
-    return discard_events(queryset.filter(status=OutboxStatus.DEAD)).changed

@@ -15,8 +15,8 @@ from typing import Any, ParamSpec, TypeVar
 
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
-from django_idempotency.keys import redact
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.request.keys import redact
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -80,7 +80,7 @@ def _attributes(identity: Any, args: tuple[Any, ...]) -> dict[str, tracing.Attri
 
 def _outcome(step: str, result: Any) -> str:
     # engine imports this module at import time, so its classes are looked up when called.
-    from django_idempotency import engine
+    from django_idempotency.request import engine
 
     match result:
         case engine.Proceed():

@@ -1,0 +1,219 @@
+"""Prometheus counters and histograms fed by the signals in ``signals.py``, and the outbox
+gauges (:class:`OutboxCollector`), read from the database when scraped.
+
+Optional: ``pip install 'django-idempotency[metrics]'``. ``AppConfig.ready()`` connects the
+receivers when ``prometheus_client`` imports; ``IDEMPOTENCY["METRICS"] = False`` makes them do
+nothing. The metrics live in prometheus_client's default registry, so whatever exposes that
+registry (``prometheus_client.start_http_server``, django-prometheus, a view of your own, or
+``MultiProcessCollector`` under gunicorn) serves them; see docs/metrics.md.
+
+No label carries a scope or a key: their number is unbounded, which would blow up the series.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from django.db import DatabaseError, connections, router
+from django.dispatch import Signal
+from django.utils import timezone
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from django_idempotency import signals
+from django_idempotency.conf import conf
+from django_idempotency.models import OutboxEvent
+from django_idempotency.operations import health
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "django_idempotency_"
+
+CLAIMS = Counter(
+    PREFIX + "claims",
+    "Idempotency-key claims by outcome: claimed (the request runs), replayed, conflicted (409), "
+    "mismatched (422).",
+    ["outcome"],
+)
+TAKEOVERS = Counter(
+    PREFIX + "takeovers",
+    "Claims that took over a key whose lease had expired (the previous request died or overran).",
+)
+LEASES_LOST = Counter(
+    PREFIX + "leases_lost",
+    "Requests whose completion found the key taken over; their writes were rolled back.",
+)
+COMPLETIONS = Counter(PREFIX + "completions", "Responses stored for replay.")
+RELEASES = Counter(
+    PREFIX + "releases",
+    "Keys released so they can be used again, by reason: exception, not_stored, admin.",
+    ["reason"],
+)
+CLAIM_DURATION = Histogram(
+    PREFIX + "claim_duration_seconds",
+    "Time to decide a claim (database round trips included), by outcome.",
+    ["outcome"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+
+OUTBOX_PUBLISHED = Counter(
+    PREFIX + "outbox_events_published",
+    "Outbox events the broker accepted, by publisher class.",
+    ["publisher"],
+)
+OUTBOX_PUBLISH_LATENCY = Histogram(
+    PREFIX + "outbox_publish_latency_seconds",
+    "Time from publish() in the business transaction to the broker accepting the event.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0),
+)
+OUTBOX_PUBLISH_FAILURES = Counter(
+    PREFIX + "outbox_publish_failures",
+    "Failed attempts to publish an outbox event; each is retried with backoff until DEAD.",
+)
+OUTBOX_DEAD = Counter(
+    PREFIX + "outbox_events_dead",
+    "Outbox events that failed OUTBOX_MAX_ATTEMPTS times and went DEAD.",
+)
+CONSUMER_DUPLICATES = Counter(
+    PREFIX + "consumer_duplicates_skipped",
+    "Messages a consumer had handled already and skipped, by consumer.",
+    ["consumer"],
+)
+SWEPT_ROWS = Counter(
+    PREFIX + "swept_rows",
+    "Rows the sweeps deleted, by sweep: idempotency_records, outbox_events, processed_messages.",
+    ["sweep"],
+)
+
+Receiver = Callable[..., None]
+
+
+def _counting(counter: Counter, **labels: str) -> Receiver:
+    child = counter.labels(**labels) if labels else counter
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        if conf.METRICS:
+            child.inc()
+
+    return receiver
+
+
+def _counting_by(counter: Counter, label: str, *, amount: str | None = None) -> Receiver:
+    """Count by the signal's ``label`` argument; by its ``amount`` argument instead of 1."""
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        if conf.METRICS:
+            child = counter.labels(**{label: str(kwargs.get(label) or "unknown")})
+            child.inc(kwargs[amount] if amount else 1)
+
+    return receiver
+
+
+def _time_claim(sender: Any, *, outcome: str, duration: float, **kwargs: Any) -> None:
+    if conf.METRICS:
+        CLAIM_DURATION.labels(outcome=outcome).observe(duration)
+
+
+def _count_published(sender: Any, *, event: Any, publisher: str = "", **kwargs: Any) -> None:
+    if conf.METRICS:
+        OUTBOX_PUBLISHED.labels(publisher=publisher or "unknown").inc()
+        if event.published_at is not None and event.created_at is not None:
+            waited = (event.published_at - event.created_at).total_seconds()
+            OUTBOX_PUBLISH_LATENCY.observe(max(waited, 0.0))
+
+
+#: Each signal and the receiver that counts it; the receivers are held here, so the signals can
+#: keep their default weak references.
+RECEIVERS: tuple[tuple[Signal, Receiver], ...] = (
+    (signals.key_claimed, _counting(CLAIMS, outcome="claimed")),
+    (signals.response_replayed, _counting(CLAIMS, outcome="replayed")),
+    (signals.request_conflicted, _counting(CLAIMS, outcome="conflicted")),
+    (signals.payload_mismatched, _counting(CLAIMS, outcome="mismatched")),
+    (signals.key_taken_over, _counting(TAKEOVERS)),
+    (signals.lease_lost, _counting(LEASES_LOST)),
+    (signals.request_completed, _counting(COMPLETIONS)),
+    (signals.key_released, _counting_by(RELEASES, "reason")),
+    (signals.claim_finished, _time_claim),
+    (signals.event_published, _count_published),
+    (signals.publish_failed, _counting(OUTBOX_PUBLISH_FAILURES)),
+    (signals.event_dead, _counting(OUTBOX_DEAD)),
+    (signals.duplicate_skipped, _counting_by(CONSUMER_DUPLICATES, "consumer")),
+    (signals.rows_swept, _counting_by(SWEPT_ROWS, "sweep", amount="count")),
+)
+
+
+def connect() -> None:
+    """Connect every receiver once (``dispatch_uid`` makes a second call harmless)."""
+    for index, (signal, receiver) in enumerate(RECEIVERS):
+        signal.connect(receiver, dispatch_uid=f"django_idempotency.operations.metrics.{index}")
+
+
+# --- gauges read from the database when scraped ------------------------------------------------
+
+
+class OutboxCollector:
+    """The outbox's backlog, the age of its oldest pending event and its DEAD events, read
+    from the database each time the registry is scraped.
+
+    Register it on the registry you serve, once: ``REGISTRY.register(OutboxCollector())`` in a
+    single process, or beside ``MultiProcessCollector`` in the metrics view under gunicorn.
+    Being read at scrape time, the values are never stale and never summed over processes,
+    and no relay has to be running for them to be right. The reads are the health panel's:
+    bounded, through the relay index (exact up to 10,000 rows; above that PostgreSQL's planner
+    estimate, or 10,000 elsewhere, a lower bound).
+    """
+
+    def __init__(self, using: str | None = None) -> None:
+        self.using = using
+
+    def describe(self) -> list[Metric]:
+        # Names only, so registering never touches the database.
+        return list(_outbox_families())
+
+    def collect(self) -> list[Metric]:
+        if not conf.METRICS:
+            return []
+        try:
+            outbox = self._read()
+        except DatabaseError:
+            logger.warning("outbox gauges: the database could not be read", exc_info=True)
+            return []
+        pending, oldest, dead = _outbox_families()
+        pending.add_metric([], outbox.pending.value)
+        age = 0.0
+        if outbox.oldest_pending_at is not None:
+            age = max((timezone.now() - outbox.oldest_pending_at).total_seconds(), 0.0)
+        oldest.add_metric([], age)
+        dead.add_metric([], outbox.dead.value)
+        return [pending, oldest, dead]
+
+    def _read(self) -> health.OutboxHealth:
+        alias = self.using or router.db_for_read(OutboxEvent)
+        connection = connections[alias]
+        # A scrape may come on a thread of its own (start_http_server): leave no connection
+        # open behind it, but never close one a request was using.
+        opened_here = connection.connection is None
+        try:
+            return health.outbox_health(alias)
+        finally:
+            if opened_here and not connection.in_atomic_block:
+                connection.close()
+
+
+def _outbox_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+    return (
+        GaugeMetricFamily(
+            PREFIX + "outbox_pending_events",
+            "Outbox events waiting to be published (PENDING): the relay's backlog.",
+        ),
+        GaugeMetricFamily(
+            PREFIX + "outbox_oldest_pending_age_seconds",
+            "Age of the oldest PENDING outbox event; 0 when none waits.",
+        ),
+        GaugeMetricFamily(
+            PREFIX + "outbox_dead_events",
+            "Outbox events that are DEAD and wait for a person to retry or discard them.",
+        ),
+    )
