@@ -11,7 +11,7 @@ class IdempotencyConfig(AppConfig):
 
     def ready(self) -> None:
         from django_idempotency import checks  # noqa: F401  (registers the system checks)
-        from django_idempotency.request import fastpath  # noqa: F401  (listens to key_released)
+        from django_idempotency.request import cache  # noqa: F401  (listens to key_released)
 
         if find_spec("drf_spectacular") is not None:
             # Registers the schema extension that documents idempotent endpoints.

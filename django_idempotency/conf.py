@@ -13,6 +13,10 @@ from django.utils.module_loading import import_string
 
 from django_idempotency.exceptions import IdempotencyConfigurationError
 
+#: The methods guarded unless a view or a setting says otherwise: the non-idempotent ones whose
+#: repetition changes something. PUT and DELETE are idempotent by HTTP's own definition.
+GUARDED_METHODS = ("POST", "PATCH")
+
 #: Every setting and its default; ``docs/settings.md`` documents each one.
 DEFAULTS: dict[str, Any] = {
     # Layer 1: idempotency keys
@@ -22,13 +26,15 @@ DEFAULTS: dict[str, Any] = {
     "TTL_SECONDS": 86400,
     "SCOPE_RESOLVER": "django_idempotency.request.scopes.user_scope",
     "ANONYMOUS_SCOPE": "anonymous",
+    "CREDENTIAL_HEADERS": ("Authorization",),
+    "CREDENTIAL_SCOPE": "digest",
     "STORED_STATUS_CODES": range(100, 500),
     "REPLAY_HEADER": "Idempotent-Replay",
     "STORED_RESPONSE_HEADERS": ("Content-Type", "Location"),
     "MAX_RESPONSE_BYTES": 1024 * 1024,
     "LEASE_HEARTBEAT": False,
     "MIDDLEWARE_PATHS": (),
-    "MIDDLEWARE_METHODS": ("POST", "PATCH"),
+    "MIDDLEWARE_METHODS": GUARDED_METHODS,
     "ERROR_TYPE_BASE": "urn:django-idempotency:error:",
     "LOG_KEYS": False,
     # Redis fast path: the django-redis cache alias to use, or None for the database only.
@@ -120,6 +126,14 @@ class IdempotencySettings:
     @property
     def ANONYMOUS_SCOPE(self) -> str:
         return str(self.get("ANONYMOUS_SCOPE"))
+
+    @property
+    def CREDENTIAL_HEADERS(self) -> tuple[str, ...]:
+        return tuple(str(name) for name in self.get("CREDENTIAL_HEADERS"))
+
+    @property
+    def CREDENTIAL_SCOPE(self) -> str:
+        return str(self.get("CREDENTIAL_SCOPE"))
 
     @property
     def STORED_STATUS_CODES(self) -> Collection[int]:

@@ -1,4 +1,5 @@
-"""``@idempotent`` for function views: plain Django views and DRF ``@api_view`` functions."""
+"""``@idempotent`` for function views: plain Django views (sync or async) and DRF ``@api_view``
+functions."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ import functools
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar, overload
 
-from django.http import HttpRequest, HttpResponseBase
+from asgiref.sync import iscoroutinefunction
+from django.http import HttpResponseBase
 
-from django_idempotency.request import engine
+from django_idempotency.conf import GUARDED_METHODS
+from django_idempotency.request import lifecycle
+
+__all__ = ["idempotent"]
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 
@@ -30,7 +35,7 @@ def idempotent(
 def idempotent(
     view: Callable[..., Any] | None = None,
     *,
-    methods: Collection[str] = ("POST", "PATCH"),
+    methods: Collection[str] = GUARDED_METHODS,
     should_store: Callable[[HttpResponseBase], bool] | None = None,
     heartbeat: bool | None = None,
 ) -> Any:
@@ -42,36 +47,36 @@ def idempotent(
         @api_view(["POST"])
         @idempotent
         def create_payment(request): ...
+
+    An ``async def`` view gets the same guarantees as a sync one.
     """
-    guarded_methods = frozenset(method.upper() for method in methods)
-    store = should_store or engine.default_should_store
+    options = lifecycle.Options(
+        methods=frozenset(method.upper() for method in methods),
+        should_store=should_store or lifecycle.default_should_store,
+        heartbeat=heartbeat,
+    )
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        if iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
+                call = functools.partial(func, request, *args, **kwargs)
+                return await lifecycle.serve_async(request, call, options, view=func)
+
+            return lifecycle.opt_out_of_atomic_requests(async_wrapper)
+
         @functools.wraps(func)
         def wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
-            if request.method not in guarded_methods or _already_guarded(request):
-                with engine.atomic_requests():
-                    return func(request, *args, **kwargs)
-            if hasattr(request, "parser_context"):
-                from django_idempotency.drf import run_api_view
+            if hasattr(request, "parser_context"):  # a DRF Request: below @api_view
+                from django_idempotency.drf import serve_api_view
 
-                return run_api_view(
-                    request, func, args, kwargs, should_store=store, heartbeat=heartbeat
-                )
-            return engine.process_request(
-                request,
-                lambda: func(request, *args, **kwargs),
-                should_store=store,
-                heartbeat=heartbeat,
-            )
+                return serve_api_view(request, func, args, kwargs, options)
+            call = functools.partial(func, request, *args, **kwargs)
+            return lifecycle.serve(request, call, options, view=func)
 
         # Under @api_view this flag sits on the inner function where Django never looks; with
         # ATOMIC_REQUESTS, put @transaction.non_atomic_requests above @api_view as well.
-        return engine.opt_out_of_atomic_requests(wrapper)
+        return lifecycle.opt_out_of_atomic_requests(wrapper)
 
     return decorate(view) if view is not None else decorate
-
-
-def _already_guarded(request: Any) -> bool:
-    http_request: HttpRequest = getattr(request, "_request", request)
-    return getattr(http_request, "idempotency", None) is not None

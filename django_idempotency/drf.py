@@ -1,34 +1,32 @@
 """Django REST framework integration: :class:`IdempotencyMixin` for APIView, generic views and
-ViewSets.
+ViewSets, and the DRF side of ``@idempotent`` below ``@api_view``.
 
 The claim runs in ``initial()``, after authentication, permissions and throttling, so the scope
-can use the user and a 401/403/429 is never stored. The handler then runs with the record's
-completion in one ``transaction.atomic``.
+can use the user and a 401/403/429 is never stored. The handler then runs inside the
+lifecycle's transaction, finalized and rendered there, so the stored bytes are the final ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from django.http import HttpResponseBase
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from django_idempotency.conf import conf
-from django_idempotency.exceptions import (
-    IdempotencyHTTPError,
-    LeaseLost,
-    LeaseLostConflict,
-    StoreUnavailable,
-)
-from django_idempotency.request import engine
+from django_idempotency.conf import GUARDED_METHODS, conf
+from django_idempotency.core.types import Conflict, Mismatch, Proceed, Replay
+from django_idempotency.exceptions import IdempotencyHTTPError
+from django_idempotency.request import lifecycle
 from django_idempotency.request.fingerprint import (
     hand_over_cleanup,
     prepare_body,
     request_fingerprint,
 )
 from django_idempotency.request.responses import PROBLEM_CONTENT_TYPE
+from django_idempotency.request.scopes import resolve_scope
 
 if TYPE_CHECKING:
     from rest_framework.views import APIView
@@ -37,7 +35,7 @@ if TYPE_CHECKING:
 else:
     _Base = object
 
-__all__ = ["IdempotencyMixin"]
+__all__ = ["IdempotencyMixin", "problem_details", "serve_api_view"]
 
 
 class IdempotencyMixin(_Base):
@@ -47,25 +45,25 @@ class IdempotencyMixin(_Base):
     """
 
     #: HTTP methods the mixin guards; the others pass straight through.
-    idempotent_methods: Collection[str] = ("POST", "PATCH")
+    idempotent_methods: Collection[str] = GUARDED_METHODS
     #: Extend the lease from a background thread while a slow handler runs (None: the setting).
     idempotency_heartbeat: bool | None = None
 
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
-        return engine.opt_out_of_atomic_requests(super().as_view(*args, **initkwargs))
+        return lifecycle.opt_out_of_atomic_requests(super().as_view(*args, **initkwargs))
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
         if request.method in self.idempotent_methods:
             return super().dispatch(request, *args, **kwargs)
-        with engine.atomic_requests():
+        with lifecycle.atomic_requests():
             return super().dispatch(request, *args, **kwargs)
 
     # --- hooks -----------------------------------------------------------------------------
 
     def get_idempotency_scope(self, request: Request) -> str:
         """The namespace of this request's key; by default ``SCOPE_RESOLVER`` (the user)."""
-        return engine.resolve_scope(request)
+        return resolve_scope(request)
 
     def get_idempotency_fingerprint(self, request: Request) -> str:
         """What a retry must repeat: method, path and canonical body."""
@@ -73,49 +71,55 @@ class IdempotencyMixin(_Base):
 
     def should_store_response(self, response: HttpResponseBase) -> bool:
         """Whether a response is final; by default its status is in ``STORED_STATUS_CODES``."""
-        return engine.default_should_store(response)
+        return lifecycle.default_should_store(response)
 
-    # --- lifecycle -------------------------------------------------------------------------
+    def get_idempotency_options(self) -> lifecycle.Options:
+        return lifecycle.Options(
+            methods=frozenset(self.idempotent_methods),
+            should_store=self.should_store_response,
+            heartbeat=self.idempotency_heartbeat,
+        )
+
+    # --- the door ------------------------------------------------------------------------------
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        guarded = self._idempotency_guards(request)
+        options = self.get_idempotency_options()
+        handler_name = (request.method or "").lower()
+        handler = (
+            getattr(self, handler_name, None) if handler_name in self.http_method_names else None
+        )
+        guarded = handler is not None and lifecycle.guards(request._request, options)
         if guarded:
             # Read the body now, before an authentication or permission class can consume the
             # stream, so the fingerprint sees exactly what the handler will.
             prepare_body(request._request)
         super().initial(request, *args, **kwargs)
-        if not guarded:
+        if handler is None or not guarded:
             return
-        decision = _claim(
-            request,
-            scope=lambda: self.get_idempotency_scope(request),
-            fingerprint=lambda: self.get_idempotency_fingerprint(request),
+        decision = lifecycle.admit(
+            request._request,
+            scope=partial(self.get_idempotency_scope, request),
+            fingerprint=partial(self.get_idempotency_fingerprint, request),
         )
-        if decision is None:
-            return
-        handler_name = (request.method or "").lower()
-        handler = getattr(self, handler_name)
-        if isinstance(decision, engine.Replay):
-            replayed = engine.replay(decision)
-            setattr(self, handler_name, lambda *a, **k: replayed)
-            return
-        if not isinstance(decision, engine.Proceed):
-            raise engine.refusal(decision)
-        lease = decision.lease
+        match decision:
+            case Replay(response=stored):
+                replayed = lifecycle.replay(stored)
+                wrapped: Callable[..., HttpResponseBase] = lambda *a, **k: replayed  # noqa: E731
+            case Conflict() | Mismatch():
+                raise lifecycle.refusal(decision)
+            case Proceed(lease=lease):
 
-        def idempotent_handler(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
-            return _run(
-                self,
-                lease,
-                lambda: handler(request, *args, **kwargs),
-                (request, *args),
-                kwargs,
-                should_store=self.should_store_response,
-                heartbeat=self.idempotency_heartbeat,
-            )
+                def wrapped(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
+                    call = partial(_finalized, self, handler, request, args, kwargs)
+                    return lifecycle.run(lease, call, options, request=request._request)
+
+            case None:
+
+                def wrapped(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
+                    return lifecycle.unhandled(partial(handler, request, *args, **kwargs))
 
         # DRF itself binds ViewSet actions to method names on the instance the same way.
-        setattr(self, handler_name, idempotent_handler)
+        setattr(self, handler_name, wrapped)
 
     def finalize_response(
         self, request: Request, response: Any, *args: Any, **kwargs: Any
@@ -127,96 +131,44 @@ class IdempotencyMixin(_Base):
     def handle_exception(self, exc: Exception) -> Response:
         return problem_details(super().handle_exception(exc), exc, self.request)
 
-    def _idempotency_guards(self, request: Request) -> bool:
-        method = (request.method or "").lower()
-        return (
-            request.method in self.idempotent_methods
-            and method in self.http_method_names
-            and hasattr(self, method)
-            and getattr(request._request, "idempotency", None) is None
-        )
 
-
-def run_api_view(
+def serve_api_view(
     request: Request,
     func: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    *,
-    should_store: Callable[[HttpResponseBase], bool],
-    heartbeat: bool | None,
+    options: lifecycle.Options,
 ) -> HttpResponseBase:
-    """``@idempotent`` below ``@api_view``: the same lifecycle as the mixin, for a function."""
+    """``@idempotent`` below ``@api_view``: the lifecycle, with DRF's user and error handling."""
     view: APIView = request.parser_context["view"]
 
-    def respond() -> HttpResponseBase:
-        decision = _claim(
-            request,
-            scope=lambda: engine.resolve_scope(request),
-            fingerprint=lambda: request_fingerprint(request._request),
-        )
-        if decision is None:
-            return func(request, *args, **kwargs)  # type: ignore[no-any-return]
-        if isinstance(decision, engine.Replay):
-            return engine.replay(decision)
-        if not isinstance(decision, engine.Proceed):
-            raise engine.refusal(decision)
-        return _run(
-            view,
-            decision.lease,
-            lambda: func(request, *args, **kwargs),
-            (request, *args),
-            kwargs,
-            should_store=should_store,
-            heartbeat=heartbeat,
-        )
+    def error_response(error: IdempotencyHTTPError) -> HttpResponseBase:
+        return problem_details(view.handle_exception(error), error, request)
 
-    try:
-        response = respond()
-    except IdempotencyHTTPError as exc:
-        response = problem_details(view.handle_exception(exc), exc, request)
-    return hand_over_cleanup(request._request, response)
+    return lifecycle.serve(
+        request._request,
+        partial(_finalized, view, func, request, args, kwargs),
+        options,
+        view=func,
+        scope=partial(resolve_scope, request),
+        fingerprint=partial(request_fingerprint, request._request),
+        error_response=error_response,
+    )
 
 
-def _claim(
-    request: Request, *, scope: Callable[[], str], fingerprint: Callable[[], str]
-) -> engine.Decision | None:
-    """Claim the request's key; ``None`` when it has none and none is required."""
-    key = engine.read_key(request._request)
-    if key is None:
-        return None
-    identity = engine.identify(request._request, key, scope=scope(), fingerprint=fingerprint())
-    return engine.claim(identity)
-
-
-def _run(
+def _finalized(
     view: APIView,
-    lease: engine.Lease,
-    call_handler: Callable[[], HttpResponseBase],
+    handler: Callable[..., Any],
+    request: Request,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    *,
-    should_store: Callable[[HttpResponseBase], bool],
-    heartbeat: bool | None,
 ) -> HttpResponseBase:
-    request = args[0]
-    request._request.idempotency = lease
-
-    def call_view() -> HttpResponseBase:
-        # Finalize and render inside the transaction, so the stored bytes are the final ones.
-        # finalize_response accepts any HttpResponse, not only DRF's Response.
-        handler_response: Any = call_handler()
-        response = view.finalize_response(request, handler_response, *args[1:], **kwargs)
-        if isinstance(response, Response):
-            response.render()
-        return response
-
-    try:
-        return engine.run(lease, call_view, should_store=should_store, heartbeat=heartbeat)
-    except LeaseLost as exc:
-        raise LeaseLostConflict() from exc
-    except engine.UNAVAILABLE_ERRORS as exc:
-        raise StoreUnavailable() from exc
+    """The handler's response as DRF will send it: finalized and rendered, so the bytes stored
+    inside the transaction are the final ones. finalize_response accepts any HttpResponse."""
+    response = view.finalize_response(request, handler(request, *args, **kwargs), *args, **kwargs)
+    if isinstance(response, Response):
+        response.render()
+    return response
 
 
 def problem_details(response: Response, exc: Exception, request: Any) -> Response:

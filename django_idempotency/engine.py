@@ -1,19 +1,26 @@
-"""Deprecated alias, kept so that old imports keep working; see the import path below.
+"""Deprecated alias, kept so that old imports keep working; see the import paths below.
 
-Import from ``django_idempotency.request.engine`` instead; this module goes in 2.0.
+The request engine became the lifecycle (``django_idempotency.request.lifecycle``), the record
+store (``django_idempotency.request.store``) and the shared types
+(``django_idempotency.core.types``, where :class:`Lease` lives). This module goes in 2.0.
 """
 
 import warnings
 from typing import Any
 
-from django_idempotency.request import engine as _target
+from django_idempotency.core import types
+from django_idempotency.request import heartbeat, lifecycle, store
+
+_MODULES = (types, lifecycle, store, heartbeat)
 
 
 def __getattr__(name: str) -> Any:
-    warnings.warn(
-        f"django_idempotency.engine is deprecated; "
-        f"import {name} from django_idempotency.request.engine.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(_target, name)
+    for module in _MODULES:
+        if hasattr(module, name):
+            warnings.warn(
+                f"django_idempotency.engine is deprecated; import {name} from {module.__name__}.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(module, name)
+    raise AttributeError(f"module 'django_idempotency.engine' has no attribute {name!r}")

@@ -130,6 +130,34 @@ class StoreUnavailable(IdempotencyHTTPError):
         self.wait = wait
 
 
+class ResponseNotRetained(IdempotencyHTTPError):
+    """A replay of a request whose response body was not stored: same status, this body."""
+
+    title = "Response not retained"
+    default_code = "response_not_retained"
+    default_detail = (
+        "This request was already processed. Its response body was streamed or larger than "
+        "MAX_RESPONSE_BYTES, so it was not stored and cannot be replayed."
+    )
+
+    def __init__(self, status: int, detail: Any = None) -> None:
+        super().__init__(detail)
+        self.status_code = status
+
+
+class CredentialsNotScoped(IdempotencyHTTPError):
+    """A key sent with credentials the library cannot tie to a user (``CREDENTIAL_SCOPE``)."""
+
+    status_code = 400
+    title = "Idempotency key scope unknown"
+    default_code = "idempotency_scope_unknown"
+    default_detail = (
+        "This request carries credentials that were not authenticated before its idempotency "
+        "key was read, so the key cannot be tied to a client. Send it to an endpoint that "
+        "authenticates first, or without the key."
+    )
+
+
 # --- Layers 2 and 3: outbox, publishers, consumers --------------------------------------------
 
 

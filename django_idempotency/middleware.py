@@ -1,23 +1,31 @@
 """``IdempotencyMiddleware``: idempotency keys for views you do not decorate, chosen by path.
 
-Put it after ``AuthenticationMiddleware`` so the default scope sees the user. Only paths that
-match one of ``MIDDLEWARE_PATHS`` (regular expressions, searched in ``request.path_info``) and
-methods in ``MIDDLEWARE_METHODS`` are guarded. Views behind it that also use the mixin or the
-decorator are guarded once, here.
+It guards a request from ``process_view``: after URL resolution (a path that resolves to no view
+is never claimed, and its body never read), after every other middleware's request phase
+(sessions, authentication), and after the ``process_view`` of the middleware listed before it
+(CSRF). It then calls the resolved view itself, inside the claim's transactions, the way
+``@idempotent`` does. So put it **last** in ``MIDDLEWARE``: a ``process_view`` of a middleware
+listed after it would be skipped for guarded requests (system check E050 says so).
+
+Only paths that match one of ``MIDDLEWARE_PATHS`` (regular expressions, searched in
+``request.path_info``) and methods in ``MIDDLEWARE_METHODS`` are guarded. Views behind it that
+also use the mixin or the decorator are guarded once, here.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
-from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction, sync_to_async
+from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponseBase
 
 from django_idempotency.conf import conf
-from django_idempotency.request import engine
+from django_idempotency.request import lifecycle
+
+__all__ = ["IdempotencyMiddleware"]
 
 
 @lru_cache(maxsize=64)
@@ -38,25 +46,42 @@ class IdempotencyMiddleware:
     def __call__(self, request: HttpRequest) -> Any:
         if self.async_mode:
             return self.__acall__(request)
-        if not self.guards(request):
-            return self.get_response(request)
-        return engine.process_request(request, lambda: self.get_response(request))
+        return self.get_response(request)
 
     async def __acall__(self, request: HttpRequest) -> HttpResponseBase:
         get_response: Callable[[HttpRequest], Awaitable[HttpResponseBase]] = self.get_response
-        if not self.guards(request):
-            return await get_response(request)
-        # The view's transaction must live in one thread. Run the state machine in the thread
-        # that Django's async ORM calls use (thread_sensitive), and the async view inside it:
-        # its sync_to_async database calls then execute in this same thread, inside the
-        # transaction that also stores the response.
-        return await sync_to_async(self._process_in_thread, thread_sensitive=True)(request)
+        return await get_response(request)
 
-    def _process_in_thread(self, request: HttpRequest) -> HttpResponseBase:
-        call_view = async_to_sync(self.get_response)
-        return engine.process_request(request, lambda: call_view(request))
+    def process_view(
+        self,
+        request: HttpRequest,
+        view_func: Callable[..., Any],
+        view_args: tuple[Any, ...],
+        view_kwargs: dict[str, Any],
+    ) -> HttpResponseBase | None:
+        """Serve a guarded request through the lifecycle; leave the others to Django.
+
+        Under ASGI Django runs this method in the thread its async ORM calls use, and an async
+        view is called from it with ``async_to_sync``, so the view's database calls and the
+        response's storage share one transaction.
+        """
+        options = self.options()
+        if not (self.guards(request) and lifecycle.guards(request, options)):
+            return None
+        call: Callable[[], HttpResponseBase] = partial(
+            async_to_sync(view_func) if iscoroutinefunction(view_func) else view_func,
+            request,
+            *view_args,
+            **view_kwargs,
+        )
+        return lifecycle.serve(request, call, options, view=view_func)
+
+    def options(self) -> lifecycle.Options:
+        """The lifecycle's options for guarded requests; read from the settings each time."""
+        return lifecycle.Options(methods=conf.MIDDLEWARE_METHODS)
 
     def guards(self, request: HttpRequest) -> bool:
+        """Whether ``MIDDLEWARE_PATHS`` and ``MIDDLEWARE_METHODS`` select this request."""
         if request.method not in conf.MIDDLEWARE_METHODS:
             return False
         path = request.path_info

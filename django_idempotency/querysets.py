@@ -9,6 +9,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from django_idempotency.core import statemachine
+
 if TYPE_CHECKING:
     from django_idempotency.models import (  # noqa: F401  (named in strings)
         IdempotencyRecord,
@@ -18,21 +20,37 @@ if TYPE_CHECKING:
 
 
 class RecordStatus(models.TextChoices):
-    PROCESSING = "PROCESSING", "Processing"
-    COMPLETED = "COMPLETED", "Completed"
+    PROCESSING = statemachine.PROCESSING, "Processing"
+    COMPLETED = statemachine.COMPLETED, "Completed"
 
 
 PROCESSING = RecordStatus.PROCESSING
 COMPLETED = RecordStatus.COMPLETED
 
 
+# The rules of core/statemachine.py as filters; tests/test_statemachine.py holds them equal.
+
+
+def lease_running_q(now: datetime) -> Q:
+    """``statemachine.lease_running``: PROCESSING with a lease that has not run out."""
+    return Q(status=PROCESSING, lease_expires_at__isnull=False, lease_expires_at__gt=now)
+
+
 def lease_expired_q(now: datetime) -> Q:
-    return Q(status=PROCESSING, lease_expires_at__lte=now)
+    """PROCESSING, and its lease has run out: the request died or overran (a "stuck" key)."""
+    return Q(status=PROCESSING) & (Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=now))
 
 
 def expired_q(now: datetime) -> Q:
-    """Past TTL, and not a request whose lease still runs (that one is merely slow)."""
-    return Q(expires_at__lte=now) & (Q(status=COMPLETED) | Q(lease_expires_at__lte=now))
+    """``statemachine.is_expired``: past TTL, and not a request whose lease still runs."""
+    return Q(expires_at__lte=now) & (
+        ~Q(status=PROCESSING) | Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=now)
+    )
+
+
+def stale_q(now: datetime, fingerprint: str) -> Q:
+    """What ``Verdict.TAKE_OVER`` may replace: the same request, its lease run out."""
+    return lease_expired_q(now) & Q(fingerprint=fingerprint)
 
 
 class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):

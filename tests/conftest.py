@@ -9,7 +9,7 @@ from django.conf import settings
 from rest_framework.test import APIClient
 
 from django_idempotency import signals
-from django_idempotency.request import fastpath
+from django_idempotency.request import cache
 from tests.backends import service_url
 from tests.testapp import views
 
@@ -40,9 +40,9 @@ def amqp_url() -> str:
 @pytest.fixture(autouse=True)
 def fast_path_awake() -> Iterator[None]:
     """A Redis error in one test must not leave the fast path resting in the next."""
-    fastpath._resting_until.clear()
+    cache._resting_until.clear()
     yield
-    fastpath._resting_until.clear()
+    cache._resting_until.clear()
 
 
 @pytest.fixture

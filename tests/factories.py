@@ -11,9 +11,9 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 from factory.django import DjangoModelFactory
 
+from django_idempotency.core.types import Identity
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 from django_idempotency.querysets import COMPLETED, PROCESSING, OutboxStatus
-from django_idempotency.request.engine import Identity
 
 
 def _ago(seconds: float):
@@ -107,7 +107,7 @@ class UserFactory(DjangoModelFactory):
 
 
 def identity(**overrides: Any) -> Identity:
-    """An engine-level request identity with a fresh key unless one is given."""
+    """A lifecycle-level request identity with a fresh key unless one is given."""
     values: dict[str, Any] = {
         "scope": "anonymous",
         "key": f"key-{uuid.uuid4()}",
@@ -117,3 +117,21 @@ def identity(**overrides: Any) -> Identity:
     }
     values.update(overrides)
     return Identity(**values)
+
+
+def age_record(scope: str, key: str, seconds: float, using: str = "default") -> None:
+    """Move a record ``seconds`` into the past, as if that much database time had gone by.
+
+    Leases and expiry are judged by the database's clock, which freezegun cannot move.
+    """
+    from datetime import timedelta
+
+    from django.db.models import F
+
+    from django_idempotency.models import IdempotencyRecord
+
+    delta = timedelta(seconds=seconds)
+    records = IdempotencyRecord.objects.using(using).filter(scope=scope, key=key)
+    records.update(created_at=F("created_at") - delta, expires_at=F("expires_at") - delta)
+    records.exclude(lease_expires_at=None).update(lease_expires_at=F("lease_expires_at") - delta)
+    records.exclude(completed_at=None).update(completed_at=F("completed_at") - delta)

@@ -57,6 +57,16 @@ ALLOWED_HOSTS = ["*"]
 USE_TZ = True
 TIME_ZONE = "UTC"
 DATABASES = {"default": _database()}
+# A second database on the same server, for tests that route the idempotency records away from
+# the business data (DATABASE_ROUTERS); created only for the tests that ask for it.
+DATABASES["records"] = {**DATABASES["default"], "TEST": {**DATABASES["default"].get("TEST", {})}}
+if TEST_DATABASE == "sqlite":
+    DATABASES["records"]["NAME"] = DATABASES["records"]["TEST"]["NAME"] = (
+        os.environ["IDEMPOTENCY_TEST_SQLITE"] + "-records"
+    )
+else:
+    DATABASES["records"]["NAME"] = f"{DATABASES['default']['NAME']}_records"
+    DATABASES["records"]["TEST"]["NAME"] = f"test_{DATABASES['default']['NAME']}_records"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -75,6 +85,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django_idempotency.middleware.IdempotencyMiddleware",
@@ -103,7 +114,7 @@ REST_FRAMEWORK = {
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
 }
 IDEMPOTENCY: dict[str, Any] = {
-    "MIDDLEWARE_PATHS": [r"^/plain/middleware/", r"^/async/"],
+    "MIDDLEWARE_PATHS": [r"^/plain/middleware/", r"^/async/", r"^/doors/middleware/"],
     "STORED_RESPONSE_HEADERS": ["Content-Type", "Location", "X-Widget-Id"],
     # Tests relay explicitly; the default kick would queue Celery tasks on a real broker.
     "OUTBOX_PUBLISHERS": {"*": "django_idempotency.publishers.memory.MemoryPublisher"},

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import timedelta
 
 import pytest
 from django.db import connection
-from freezegun import freeze_time
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIRequestFactory
 
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.request import engine
+from django_idempotency.request import lifecycle
 from django_idempotency.request.fingerprint import request_fingerprint
-from tests.factories import UserFactory
+from tests.factories import UserFactory, age_record
 from tests.testapp.models import Widget
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -237,29 +235,27 @@ def test_tenants_never_see_each_others_responses(client, key):
 
 
 def test_takeover_after_the_lease_runs_the_request_once_more(client, key):
-    with freeze_time("2026-01-01 12:00:00") as clock:
-        # A request that died mid-view leaves a PROCESSING record and no business row.
-        request = APIRequestFactory().post(URL, {"name": "w"}, format="json")
-        engine.claim(
-            engine.identify(
-                request, key, scope="anonymous", fingerprint=request_fingerprint(request)
-            )
+    # A request that died mid-view leaves a PROCESSING record and no business row.
+    request = APIRequestFactory().post(URL, {"name": "w"}, format="json")
+    lifecycle.claim(
+        lifecycle.identify(
+            request, key, scope="anonymous", fingerprint=request_fingerprint(request)
         )
-        assert post(client, key).status_code == 409
-        clock.tick(timedelta(seconds=31))
-        response = post(client, key)
+    )
+    assert post(client, key).status_code == 409
+    age_record("anonymous", key, 31)
+    response = post(client, key)
     assert response.status_code == 201
     assert json.loads(response.content)["attempt"] == 2
     assert Widget.objects.count() == 1
 
 
 def test_ttl_expiry_lets_the_key_run_again(client, key):
-    with freeze_time("2026-01-01 12:00:00") as clock:
-        first = post(client, key)
-        clock.tick(timedelta(hours=23, minutes=59))
-        assert post(client, key).content == first.content
-        clock.tick(timedelta(minutes=2))
-        again = post(client, key)
+    first = post(client, key)
+    age_record("anonymous", key, (23 * 60 + 59) * 60)
+    assert post(client, key).content == first.content
+    age_record("anonymous", key, 2 * 60)
+    again = post(client, key)
     assert again["Idempotent-Replay"] == "false"
     assert Widget.objects.count() == 2
 

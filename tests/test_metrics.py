@@ -9,11 +9,13 @@ from django.http import HttpResponse
 from django.test import override_settings
 from django.utils import timezone
 
-from django_idempotency.exceptions import LeaseLost
+from django_idempotency.core import types
+from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import release_records
 from django_idempotency.querysets import PROCESSING
-from django_idempotency.request import engine
+from django_idempotency.request import lifecycle
+from tests.factories import age_record
 from tests.metrics_support import SampleDelta
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -83,14 +85,14 @@ def test_takeover(client, key, metrics):
 
 def test_lease_lost(key, metrics):
     """Request A overruns its lease, B takes the key over; A's completion is fenced off."""
-    identity = engine.Identity("anonymous", key, "f" * 64, "POST", "/api/widget/")
-    first = engine.claim(identity)
-    assert isinstance(first, engine.Proceed)
-    IdempotencyRecord.objects.filter(key=key).update(lease_expires_at=timezone.now())
-    second = engine.claim(identity)
-    assert isinstance(second, engine.Proceed) and second.lease.taken_over
-    with pytest.raises(LeaseLost):
-        engine.run(first.lease, lambda: HttpResponse(status=201))
+    identity = types.Identity("anonymous", key, "f" * 64, "POST", "/api/widget/")
+    first = lifecycle.claim(identity)
+    assert isinstance(first, types.Proceed)
+    age_record("anonymous", key, 31)
+    second = lifecycle.claim(identity)
+    assert isinstance(second, types.Proceed) and second.lease.taken_over
+    with pytest.raises(LeaseLostConflict):
+        lifecycle.run(first.lease, lambda: HttpResponse(status=201))
     assert metrics.delta()["lease_lost"] == 1
 
 

@@ -12,16 +12,16 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from django_idempotency.exceptions import LeaseLost
+from django_idempotency.core import types
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import ReleaseResult, release_records
-from django_idempotency.request import engine
+from django_idempotency.request import lifecycle, store
 from django_idempotency.request.responses import StoredResponse
 from tests.factories import IdempotencyRecordFactory
 
 
-def identity_of(record: IdempotencyRecord) -> engine.Identity:
-    return engine.Identity(
+def identity_of(record: IdempotencyRecord) -> types.Identity:
+    return types.Identity(
         scope=record.scope,
         key=record.key,
         fingerprint=record.fingerprint,
@@ -65,8 +65,8 @@ def test_a_key_taken_over_since_the_page_was_shown_is_refused():
     """The operator saw a stuck key; a retry took it over before the action ran."""
     record = IdempotencyRecordFactory(stuck=True)
     selection = IdempotencyRecord.objects.filter(pk=record.pk)
-    decision = engine.claim(identity_of(record))
-    assert isinstance(decision, engine.Proceed) and decision.lease.taken_over
+    decision = lifecycle.claim(identity_of(record))
+    assert isinstance(decision, types.Proceed) and decision.lease.taken_over
     assert release_records(selection) == ReleaseResult(released=0, refused=1)
     assert IdempotencyRecord.objects.filter(pk=record.pk).exists()
 
@@ -75,11 +75,11 @@ def test_a_key_taken_over_since_the_page_was_shown_is_refused():
 def test_forcing_a_running_lease_makes_its_request_roll_back():
     """Forcing never lets work happen twice: the fenced completion finds no record."""
     record = IdempotencyRecordFactory(stuck=True)
-    decision = engine.claim(identity_of(record))
-    assert isinstance(decision, engine.Proceed)
+    decision = lifecycle.claim(identity_of(record))
+    assert isinstance(decision, types.Proceed)
     release_records(IdempotencyRecord.objects.all(), force=True)
-    with pytest.raises(LeaseLost), transaction.atomic():
-        engine.complete(decision.lease, StoredResponse(status=201, body=b"{}"))
+    with transaction.atomic():
+        assert store.complete(decision.lease, StoredResponse(status=201, body=b"{}")) is False
     assert not IdempotencyRecord.objects.exists()
 
 

@@ -13,7 +13,8 @@ import pytest
 from django.db import connection
 from django.http import HttpResponse
 
-from django_idempotency.request import engine
+from django_idempotency.core import types
+from django_idempotency.request import lifecycle
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -23,8 +24,8 @@ REPLAY = {"postgresql": 1, "sqlite": 1, "mysql": 1}
 BEGIN_COMMIT = 2
 
 
-def identity(key: str, fingerprint: str = "f" * 64) -> engine.Identity:
-    return engine.Identity(scope="s", key=key, fingerprint=fingerprint, method="POST", path="/x")
+def identity(key: str, fingerprint: str = "f" * 64) -> types.Identity:
+    return types.Identity(scope="s", key=key, fingerprint=fingerprint, method="POST", path="/x")
 
 
 def statements(captured) -> list[str]:
@@ -33,32 +34,32 @@ def statements(captured) -> list[str]:
 
 def test_first_claim(key, django_assert_num_queries):
     with django_assert_num_queries(FIRST_CLAIM[connection.vendor]):
-        decision = engine.claim(identity(key))
-    assert isinstance(decision, engine.Proceed)
+        decision = lifecycle.claim(identity(key))
+    assert isinstance(decision, types.Proceed)
 
 
 def test_completion_is_one_update_in_the_business_transaction(key, django_assert_num_queries):
-    decision = engine.claim(identity(key))
-    assert isinstance(decision, engine.Proceed)
+    decision = lifecycle.claim(identity(key))
+    assert isinstance(decision, types.Proceed)
     with django_assert_num_queries(BEGIN_COMMIT + 1) as captured:
-        engine.run(decision.lease, lambda: HttpResponse(b"ok", status=201))
+        lifecycle.run(decision.lease, lambda: HttpResponse(b"ok", status=201))
     assert statements(captured)[1].upper().startswith("UPDATE")
 
 
 def test_replay(key, django_assert_num_queries):
-    decision = engine.claim(identity(key))
-    engine.run(decision.lease, lambda: HttpResponse(b"ok", status=201))
+    decision = lifecycle.claim(identity(key))
+    lifecycle.run(decision.lease, lambda: HttpResponse(b"ok", status=201))
     with django_assert_num_queries(REPLAY[connection.vendor]):
-        replay = engine.claim(identity(key))
-    assert isinstance(replay, engine.Replay)
+        replay = lifecycle.claim(identity(key))
+    assert isinstance(replay, types.Replay)
 
 
 def test_conflict_and_mismatch_are_one_read(key, django_assert_num_queries):
-    engine.claim(identity(key))
+    lifecycle.claim(identity(key))
     with django_assert_num_queries(REPLAY[connection.vendor]):
-        assert isinstance(engine.claim(identity(key)), engine.Conflict)
+        assert isinstance(lifecycle.claim(identity(key)), types.Conflict)
     with django_assert_num_queries(REPLAY[connection.vendor]):
-        assert isinstance(engine.claim(identity(key, "0" * 64)), engine.Mismatch)
+        assert isinstance(lifecycle.claim(identity(key, "0" * 64)), types.Mismatch)
 
 
 def test_whole_request_through_the_mixin(client, key, django_assert_num_queries):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from django.http import HttpResponse
 from django.test import override_settings
-from django.utils import timezone
 from opentelemetry.trace import SpanKind, StatusCode
 
 from django_idempotency import tracing
-from django_idempotency.exceptions import LeaseLost
-from django_idempotency.models import IdempotencyRecord
-from django_idempotency.request import engine
+from django_idempotency.core import types
+from django_idempotency.exceptions import LeaseLostConflict
+from django_idempotency.request import lifecycle
 from django_idempotency.request.keys import redact
+from tests.factories import age_record
 
 
 def by_name(exporter):
@@ -62,12 +62,12 @@ def test_raw_keys_only_with_log_keys(client, key, spans):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_lost_lease_marks_the_completion_span_as_an_error(key, spans):
-    identity = engine.Identity("anonymous", key, "f" * 64, "POST", "/api/widget/")
-    first = engine.claim(identity)
-    IdempotencyRecord.objects.filter(key=key).update(lease_expires_at=timezone.now())
-    engine.claim(identity)
-    with pytest.raises(LeaseLost):
-        engine.run(first.lease, lambda: HttpResponse(status=201))
+    identity = types.Identity("anonymous", key, "f" * 64, "POST", "/api/widget/")
+    first = lifecycle.claim(identity)
+    age_record("anonymous", key, 31)
+    lifecycle.claim(identity)
+    with pytest.raises(LeaseLostConflict):
+        lifecycle.run(first.lease, lambda: HttpResponse(status=201))
     complete = by_name(spans)["idempotency.complete"]
     assert complete.status.status_code == StatusCode.ERROR
     assert complete.attributes["idempotency.outcome"] == "lease_lost"

@@ -7,6 +7,18 @@ why it is not needed.
 
 from __future__ import annotations
 
+from typing import Any
+
 # --- idempotency records -----------------------------------------------------------------------
+
+#: The database's time in UTC, in the text form Django stores (milliseconds: SQLite's clock
+#: has no finer grain). The percent signs are doubled for the driver's parameter syntax.
+NOW = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
+
+
+def now_plus(seconds: float) -> tuple[str, list[Any]]:
+    """The database's time plus ``seconds``, as SQL and its parameters."""
+    return "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s)", [f"{seconds:+.6f} seconds"]
+
 
 # --- outbox ------------------------------------------------------------------------------------

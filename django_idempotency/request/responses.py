@@ -1,26 +1,17 @@
-"""Capturing a response for the record, and rebuilding it for a replay."""
+"""Responses: capturing one for the record, rebuilding it for a replay, and our errors as
+``application/problem+json`` (RFC 9457), built in one place."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Any
 
 from django.http import HttpResponse, HttpResponseBase, JsonResponse
 
 from django_idempotency.conf import conf
-from django_idempotency.exceptions import IdempotencyHTTPError
+from django_idempotency.core.types import StoredResponse
+from django_idempotency.exceptions import IdempotencyHTTPError, ResponseNotRetained
+
+__all__ = ["PROBLEM_CONTENT_TYPE", "capture", "problem_response", "replay"]
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
-
-
-@dataclass(frozen=True, slots=True)
-class StoredResponse:
-    """What a replay needs: status, allowed headers and the exact body bytes."""
-
-    status: int
-    headers: list[tuple[str, str]] = field(default_factory=list)
-    body: bytes = b""
-    retained: bool = True
 
 
 def capture(response: HttpResponseBase) -> StoredResponse:
@@ -49,18 +40,7 @@ def replay(stored: StoredResponse) -> HttpResponse:
 
 def _not_retained(stored: StoredResponse) -> HttpResponse:
     """Same status, and a body that says plainly the original one was not kept."""
-    body = {
-        "type": f"{conf.ERROR_TYPE_BASE}response_not_retained",
-        "title": "Response not retained",
-        "status": stored.status,
-        "detail": (
-            "This request was already processed. Its response body was streamed or larger "
-            "than MAX_RESPONSE_BYTES, so it was not stored and cannot be replayed."
-        ),
-        "error": "response_not_retained",
-        "message": "The request was already processed; its response body was not retained.",
-    }
-    response = JsonResponse(body, status=stored.status, content_type=PROBLEM_CONTENT_TYPE)
+    response = problem_response(ResponseNotRetained(stored.status))
     for name, value in stored.headers:
         if name.lower() not in ("content-type", "content-length"):
             response[name] = value
@@ -69,7 +49,8 @@ def _not_retained(stored: StoredResponse) -> HttpResponse:
 
 
 def problem_response(error: IdempotencyHTTPError) -> HttpResponse:
-    """Our own errors for views outside DRF: problem+json with Retry-After where it applies."""
+    """Our errors as problem+json, with Retry-After where it applies (DRF views get the same
+    body through DRF's exception handling, see ``drf.problem_details``)."""
     response = JsonResponse(
         error.problem(conf.ERROR_TYPE_BASE),
         status=error.status_code,
@@ -78,11 +59,3 @@ def problem_response(error: IdempotencyHTTPError) -> HttpResponse:
     if error.wait:
         response["Retry-After"] = str(error.wait)
     return response
-
-
-def headers_as_json(headers: list[tuple[str, str]]) -> list[list[str]]:
-    return [[name, value] for name, value in headers]
-
-
-def headers_from_json(value: Any) -> list[tuple[str, str]]:
-    return [(str(name), str(val)) for name, val in value or ()]

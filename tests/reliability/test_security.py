@@ -26,10 +26,11 @@ from rest_framework.test import APIClient
 
 from django_idempotency.checks import W002, check_settings
 from django_idempotency.conf import SENSITIVE_HEADERS
-from django_idempotency.exceptions import LeaseLost
+from django_idempotency.core import types
+from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 from django_idempotency.querysets import PROCESSING, OutboxStatus
-from django_idempotency.request import engine
+from django_idempotency.request import lifecycle, store
 from django_idempotency.request.fingerprint import request_fingerprint
 from tests.admin_support import login, post_action
 from tests.factories import (
@@ -432,26 +433,26 @@ def exercise_every_keyed_log_line(key: str) -> None:
     assert post(key) == 201  # replay
     assert post(key, b'{"name": "other"}') == 422  # mismatch
     request = RequestFactory().generic("POST", "/plain/hostile/", body, "application/json")
-    running = engine.identify(
+    running = lifecycle.identify(
         request, f"{key}-2", scope="anonymous", fingerprint=request_fingerprint(request)
     )
-    lease = engine.claim(running)
-    assert isinstance(lease, engine.Proceed)
+    lease = lifecycle.claim(running)
+    assert isinstance(lease, types.Proceed)
     assert post(f"{key}-2") == 409  # conflict
     _expire_lease(running)
     assert post(f"{key}-2") == 201  # takeover
-    lost = engine.identify(request, f"{key}-3", scope="anonymous", fingerprint="0" * 64)
-    stale = engine.claim(lost)
-    assert isinstance(stale, engine.Proceed)
+    lost = lifecycle.identify(request, f"{key}-3", scope="anonymous", fingerprint="0" * 64)
+    stale = lifecycle.claim(lost)
+    assert isinstance(stale, types.Proceed)
     _expire_lease(lost)
-    current = engine.claim(lost)
-    assert isinstance(current, engine.Proceed)
-    with pytest.raises(LeaseLost):
-        engine.run(stale.lease, lambda: HttpResponse(b"late", status=201))
-    engine.release(current.lease, reason="test")
+    current = lifecycle.claim(lost)
+    assert isinstance(current, types.Proceed)
+    with pytest.raises(LeaseLostConflict):
+        lifecycle.run(stale.lease, lambda: HttpResponse(b"late", status=201))
+    store.release(current.lease)
 
 
-def _expire_lease(identity: engine.Identity) -> None:
+def _expire_lease(identity: types.Identity) -> None:
     IdempotencyRecord.objects.filter(scope=identity.scope, key=identity.key).update(
         lease_expires_at=timezone.now() - timedelta(seconds=1)
     )

@@ -45,11 +45,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from django_idempotency.exceptions import LeaseLost
+from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import sweeps
 from django_idempotency.querysets import COMPLETED, PROCESSING
-from django_idempotency.request import engine
+from django_idempotency.core import types
+from django_idempotency.request import lifecycle, store
 from tests.reliability.corpus import bounded
 from tests.testapp.models import Widget
 
@@ -84,25 +85,25 @@ class Worker:
         self.pool.shutdown()
 
 
-def effect_name(lease: engine.Lease) -> str:
+def effect_name(lease: types.Lease) -> str:
     return f"{lease.identity.scope}|{lease.identity.key}|{lease.owner_token}"
 
 
-def effect_body(lease: engine.Lease) -> bytes:
+def effect_body(lease: types.Lease) -> bytes:
     return f'{{"owner": "{lease.owner_token}"}}'.encode()
 
 
-def run_to_completion(lease: engine.Lease) -> HttpResponseBase:
-    """The engine's own ``run``: the effect and the completion in one transaction."""
+def run_to_completion(lease: types.Lease) -> HttpResponseBase:
+    """The lifecycle's own ``run``: the effect and the completion in one transaction."""
 
     def view() -> HttpResponse:
         Widget.objects.create(name=effect_name(lease))
         return HttpResponse(effect_body(lease), status=201, content_type="application/json")
 
-    return engine.run(lease, view)
+    return lifecycle.run(lease, view)
 
 
-def run_to_failure(lease: engine.Lease, mode: str) -> None:
+def run_to_failure(lease: types.Lease, mode: str) -> None:
     """The view writes its effect, then raises or answers 500: both roll it back and release."""
 
     def view() -> HttpResponse:
@@ -112,7 +113,7 @@ def run_to_failure(lease: engine.Lease, mode: str) -> None:
         return HttpResponse(b"oops", status=500)
 
     with contextlib.suppress(BoomError):
-        engine.run(lease, view)
+        lifecycle.run(lease, view)
 
 
 @dataclass
@@ -141,7 +142,7 @@ class Slot:
 class Held:
     """A lease a worker holds, and which worker."""
 
-    lease: engine.Lease
+    lease: types.Lease
     worker: int
 
 
@@ -161,9 +162,9 @@ class LeaseMachine(RuleBasedStateMachine):
 
     # --- helpers ---
 
-    def identity(self, slot: tuple[str, str], fingerprint: str) -> engine.Identity:
+    def identity(self, slot: tuple[str, str], fingerprint: str) -> types.Identity:
         scope, key = slot
-        return engine.Identity(
+        return types.Identity(
             scope=scope,
             key=f"{self.prefix}-{key}",
             fingerprint=fingerprint,
@@ -188,7 +189,7 @@ class LeaseMachine(RuleBasedStateMachine):
             return "conflict"
         return "takeover"
 
-    def claimed(self, slot: tuple[str, str], lease: engine.Lease, expected: str) -> None:
+    def claimed(self, slot: tuple[str, str], lease: types.Lease, expected: str) -> None:
         model = self.slots[slot]
         if expected == "fresh":
             model.life += 1
@@ -202,22 +203,22 @@ class LeaseMachine(RuleBasedStateMachine):
         assert lease.attempt == model.attempts, (lease.attempt, model.attempts)
 
     def check_decision(
-        self, slot: tuple[str, str], decision: engine.Decision, expected: str
-    ) -> engine.Lease | None:
+        self, slot: tuple[str, str], decision: types.Decision, expected: str
+    ) -> types.Lease | None:
         self.stats[f"claim:{expected}"] += 1
         if expected in ("fresh", "takeover"):
-            assert isinstance(decision, engine.Proceed), (expected, decision)
+            assert isinstance(decision, types.Proceed), (expected, decision)
             self.claimed(slot, decision.lease, expected)
             return decision.lease
         if expected == "replay":
-            assert isinstance(decision, engine.Replay), (expected, decision)
+            assert isinstance(decision, types.Replay), (expected, decision)
             assert decision.response.body == self.slots[slot].response
             assert decision.response.status == 201
         elif expected == "conflict":
-            assert isinstance(decision, engine.Conflict), (expected, decision)
+            assert isinstance(decision, types.Conflict), (expected, decision)
             assert decision.retry_after >= 1
         else:
-            assert isinstance(decision, engine.Mismatch), (expected, decision)
+            assert isinstance(decision, types.Mismatch), (expected, decision)
         return None
 
     # --- rules ---
@@ -231,7 +232,7 @@ class LeaseMachine(RuleBasedStateMachine):
     def claim(self, slot: tuple[str, str], fingerprint: str, worker: int) -> Any:
         expected = self.expect_claim(slot, fingerprint)
         ident = self.identity(slot, fingerprint)
-        decision = self.workers[worker].call(lambda: engine.claim(ident))
+        decision = self.workers[worker].call(lambda: lifecycle.claim(ident))
         lease = self.check_decision(slot, decision, expected)
         return multiple() if lease is None else Held(lease, worker)
 
@@ -242,21 +243,21 @@ class LeaseMachine(RuleBasedStateMachine):
         ident = self.identity(slot, fingerprint)
         barrier = threading.Barrier(WORKERS)
 
-        def contend() -> engine.Decision:
+        def contend() -> types.Decision:
             barrier.wait(60)
-            return engine.claim(ident)
+            return lifecycle.claim(ident)
 
         futures = [worker.pool.submit(contend) for worker in self.workers]
         decisions = [future.result(timeout=120) for future in futures]
         self.stats["race"] += 1
-        winners = [(index, d) for index, d in enumerate(decisions) if isinstance(d, engine.Proceed)]
+        winners = [(index, d) for index, d in enumerate(decisions) if isinstance(d, types.Proceed)]
         if expected in ("fresh", "takeover"):
             assert len(winners) == 1, decisions
             index, won = winners[0]
             self.check_decision(slot, won, expected)
             for other in decisions:
                 if other is not won:  # the others find the winner's running lease
-                    assert isinstance(other, engine.Conflict), decisions
+                    assert isinstance(other, types.Conflict), decisions
             return Held(won.lease, index)
         for decision in decisions:
             self.check_decision(slot, decision, expected)
@@ -271,7 +272,7 @@ class LeaseMachine(RuleBasedStateMachine):
         owns = model.state == PROCESSING and model.owner == lease.owner_token
         try:
             response = self.workers[held.worker].call(lambda: run_to_completion(lease))
-        except LeaseLost:
+        except LeaseLostConflict:
             assert not owns, "the owner's completion failed"
             self.stats["complete:fenced"] += 1
             return
@@ -330,7 +331,7 @@ class LeaseMachine(RuleBasedStateMachine):
         expected = self.expect_claim(slot, fingerprint)
         assert expected in ("takeover", "fresh"), expected
         ident = self.identity(slot, fingerprint)
-        decision = self.workers[worker].call(lambda: engine.claim(ident))
+        decision = self.workers[worker].call(lambda: lifecycle.claim(ident))
         lease = self.check_decision(slot, decision, expected)
         assert lease is not None
         return Held(lease, worker)
@@ -372,10 +373,10 @@ class LeaseMachine(RuleBasedStateMachine):
         assert fingerprint is not None
         expected = self.expect_claim(slot, fingerprint)
         ident = self.identity(slot, fingerprint)
-        decision = self.workers[worker].call(lambda: engine.claim(ident))
+        decision = self.workers[worker].call(lambda: lifecycle.claim(ident))
         assert self.check_decision(slot, decision, expected) is None or expected == "fresh"
-        if isinstance(decision, engine.Proceed):  # the TTL was over: release what we took
-            self.workers[worker].call(lambda: engine.release(decision.lease, reason="test"))
+        if isinstance(decision, types.Proceed):  # the TTL was over: release what we took
+            self.workers[worker].call(lambda: store.release(decision.lease))
             self.slots[slot] = Slot(
                 life=self.slots[slot].life, committed=self.slots[slot].committed
             )
@@ -447,10 +448,10 @@ def test_threads_racing_on_many_keys_commit_at_most_one_effect_per_key() -> None
     barrier = threading.Barrier(THREADS)
     errors: list[BaseException] = []
 
-    def identity(key: str) -> engine.Identity:
-        return engine.Identity("tenant:race", key, "c" * 64, "POST", "/race/")
+    def identity(key: str) -> types.Identity:
+        return types.Identity("tenant:race", key, "c" * 64, "POST", "/race/")
 
-    def expire(key: str, lease: engine.Lease) -> None:
+    def expire(key: str, lease: types.Lease) -> None:
         IdempotencyRecord.objects.filter(
             scope="tenant:race", key=key, owner_token=lease.owner_token
         ).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
@@ -462,14 +463,14 @@ def test_threads_racing_on_many_keys_commit_at_most_one_effect_per_key() -> None
             for key in keys:
                 barrier.wait(60)  # every thread on the same key at the same instant
                 for _attempt in range(ATTEMPTS):
-                    decision = engine.claim(identity(key))
+                    decision = lifecycle.claim(identity(key))
                     seen[type(decision).__name__] += 1
-                    if isinstance(decision, engine.Replay):
+                    if isinstance(decision, types.Replay):
                         break
-                    if isinstance(decision, engine.Conflict):
+                    if isinstance(decision, types.Conflict):
                         time.sleep(rng.random() * 0.01)  # a client retrying soon
                         continue
-                    assert isinstance(decision, engine.Proceed), decision
+                    assert isinstance(decision, types.Proceed), decision
                     lease = decision.lease
                     action = rng.choices(["complete", "fail", "overrun", "die"], [4, 2, 3, 1])[0]
                     seen[action] += 1
@@ -486,7 +487,7 @@ def test_threads_racing_on_many_keys_commit_at_most_one_effect_per_key() -> None
                         run_to_completion(lease)
                         seen["completed"] += 1
                         break
-                    except LeaseLost:
+                    except LeaseLostConflict:
                         seen["fenced"] += 1
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
@@ -524,8 +525,8 @@ def test_threads_racing_on_many_keys_commit_at_most_one_effect_per_key() -> None
         if record.status == COMPLETED:
             completed += 1
             assert owners == [f"tenant:race|{record.key}|{record.owner_token}"], owners
-            replay = engine.claim(identity(record.key))
-            assert isinstance(replay, engine.Replay)
+            replay = lifecycle.claim(identity(record.key))
+            assert isinstance(replay, types.Replay)
             assert replay.response.body == f'{{"owner": "{record.owner_token}"}}'.encode()
         else:
             assert owners == [], (record.key, owners)

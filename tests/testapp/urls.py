@@ -3,13 +3,14 @@ from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
 from django_idempotency.decorators import idempotent
-from tests.testapp import hostile_views, views
+from tests.testapp import doors, hostile_views, views
 
 router = DefaultRouter()
 router.register("widgets", views.WidgetViewSet)
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("doors/", include(doors)),
     path("api/", include(router.urls)),
     path("api/widget/", views.WidgetAPIView.as_view()),
     path("api/other-widget/", views.WidgetAPIView.as_view()),

@@ -1,4 +1,6 @@
-"""The Redis fast path against the real local Redis (and a private one for outages)."""
+"""The Redis copy of completed responses against the real local Redis (and a private one for
+outages). Redis only ever answers replays; every other answer, 409 included, is the database's,
+so nothing Redis does can refuse a retry or replay a response the database does not hold."""
 
 from __future__ import annotations
 
@@ -10,20 +12,21 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.db import close_old_connections, connections
 from django.http import HttpResponse
-from django.utils import timezone
 from django_redis import get_redis_connection
 from rest_framework.test import APIClient
 
 from django_idempotency import signals
+from django_idempotency.core.types import Decision, Identity, Mismatch, Proceed, Replay
+from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.request import engine, fastpath
+from django_idempotency.request import cache, lifecycle
 from tests.testapp.models import Widget
+from tests.testapp.views import WidgetAPIView
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -74,20 +77,20 @@ def post(client: APIClient, key: str, name: str = "a", **extra: Any) -> Any:
 
 
 def entry(redis: Any, scope: str, key: str) -> bytes | None:
-    value: bytes | None = redis.get(fastpath.redis_key(scope, key))
+    value: bytes | None = redis.get(cache.redis_key(scope, key))
     return value
 
 
-def identity(key: str, scope: str = "tenant", fingerprint: str = "f" * 64) -> engine.Identity:
-    return engine.Identity(scope=scope, key=key, fingerprint=fingerprint, method="POST", path="/x")
+def identity(key: str, scope: str = "tenant", fingerprint: str = "f" * 64) -> Identity:
+    return Identity(scope=scope, key=key, fingerprint=fingerprint, method="POST", path="/x")
 
 
-def run_to_completion(decision: engine.Decision, body: bytes = b"done") -> None:
-    assert isinstance(decision, engine.Proceed), decision
-    engine.run(decision.lease, lambda: HttpResponse(body, status=201))
+def run_to_completion(decision: Decision, body: bytes = b"done") -> None:
+    assert isinstance(decision, Proceed), decision
+    lifecycle.run(decision.lease, lambda: HttpResponse(body, status=201))
 
 
-# --- replays and conflicts without the database -------------------------------------------------
+# --- replays without the database ---------------------------------------------------------------
 
 
 def test_replay_is_served_from_redis_without_a_query(redis, client, key, django_assert_num_queries):
@@ -103,9 +106,17 @@ def test_replay_is_served_from_redis_without_a_query(redis, client, key, django_
     assert Widget.objects.count() == 1
 
 
-def test_concurrent_duplicate_gets_409_from_redis_without_a_query(
-    redis, client, key, gate, django_assert_num_queries
-):
+def test_copy_expires_no_later_than_the_record(redis, key):
+    run_to_completion(lifecycle.claim(identity(key)))
+    copy_ms = redis.pttl(cache.redis_key("tenant", key))
+    record = IdempotencyRecord.objects.get(key=key)
+    assert 0 < copy_ms <= 86_400_000
+    ttl = (record.expires_at - record.completed_at).total_seconds()
+    assert copy_ms / 1000 <= ttl
+
+
+def test_nothing_is_in_redis_while_a_request_runs(redis, client, key, gate):
+    """No in-flight marker: a duplicate's 409 is always the database's answer."""
     started, release = gate("held-fast")
     results: list[Any] = []
 
@@ -119,8 +130,8 @@ def test_concurrent_duplicate_gets_409_from_redis_without_a_query(
     thread.start()
     try:
         assert started.wait(30)
-        with django_assert_num_queries(0):
-            duplicate = post(client, key, name="held-fast")
+        assert entry(redis, "anonymous", key) is None
+        duplicate = post(client, key, name="held-fast")
         assert duplicate.status_code == 409, duplicate.content
         assert duplicate.json()["error"] == "transaction_in_progress"
         assert 1 <= int(duplicate["Retry-After"]) <= 30
@@ -133,52 +144,21 @@ def test_concurrent_duplicate_gets_409_from_redis_without_a_query(
     assert replay["Idempotent-Replay"] == "true"
 
 
-def test_in_flight_marker_expires_no_later_than_the_database_lease(redis, key):
-    decision = engine.claim(identity(key))
-    assert isinstance(decision, engine.Proceed)
-    marker_ms = redis.pttl(fastpath.redis_key("tenant", key))
-    read_at = timezone.now()  # the marker's deadline is at most read_at + marker_ms
-    record = IdempotencyRecord.objects.get(key=key)
-    assert record.owner_token == decision.lease.owner_token
-    assert 0 < marker_ms <= 30_000  # never longer than LEASE_SECONDS
-    # The marker is set before the database claim takes its clock, with the same duration, so
-    # it ends first. read_at comes after Redis answered PTTL, by however long this loaded
-    # machine took to get here: allow that much, far below the lease a longer marker would add.
-    slack = timedelta(milliseconds=250)
-    assert read_at + timedelta(milliseconds=marker_ms) <= record.lease_expires_at + slack
-
-
-def test_dead_request_blocks_only_until_its_lease_ends(redis, key, settings):
-    settings.IDEMPOTENCY = {**settings.IDEMPOTENCY, "LEASE_SECONDS": 1}
-    first = engine.claim(identity(key))  # the request "dies" here: never completed
-    assert isinstance(first, engine.Proceed)
-    assert isinstance(engine.claim(identity(key)), engine.Conflict)
-    deadline = time.monotonic() + 30
-    retry = engine.claim(identity(key))
-    while isinstance(retry, engine.Conflict) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        retry = engine.claim(identity(key))
-    assert isinstance(retry, engine.Proceed)
-    assert retry.lease.taken_over
-    run_to_completion(retry)
-    assert entry(redis, "tenant", key).startswith(b"C")
-
-
 # --- never another request's response -----------------------------------------------------------
 
 
 def test_replay_never_crosses_scopes(redis, key):
-    run_to_completion(engine.claim(identity(key, scope="tenant-a")), body=b"for a")
-    other = engine.claim(identity(key, scope="tenant-b"))
-    assert isinstance(other, engine.Proceed)
+    run_to_completion(lifecycle.claim(identity(key, scope="tenant-a")), body=b"for a")
+    other = lifecycle.claim(identity(key, scope="tenant-b"))
+    assert isinstance(other, Proceed)
     run_to_completion(other, body=b"for b")
-    replay_a = engine.claim(identity(key, scope="tenant-a"))
-    assert isinstance(replay_a, engine.Replay)
+    replay_a = lifecycle.claim(identity(key, scope="tenant-a"))
+    assert isinstance(replay_a, Replay)
     assert replay_a.response.body == b"for a"
 
 
 def test_scope_and_key_cannot_collide_in_the_redis_name():
-    assert fastpath.redis_key("a:b", "c") != fastpath.redis_key("a", "b:c")
+    assert cache.redis_key("a:b", "c") != cache.redis_key("a", "b:c")
 
 
 def test_other_fingerprint_is_refused_by_the_database_not_replayed(redis, client, key):
@@ -189,27 +169,25 @@ def test_other_fingerprint_is_refused_by_the_database_not_replayed(redis, client
 
 
 def test_in_flight_with_other_fingerprint_asks_the_database(redis, key):
-    engine.claim(identity(key))
-    decision = engine.claim(identity(key, fingerprint="0" * 64))
-    assert isinstance(decision, engine.Mismatch)
+    lifecycle.claim(identity(key))
+    decision = lifecycle.claim(identity(key, fingerprint="0" * 64))
+    assert isinstance(decision, Mismatch)
 
 
 def test_missing_redis_entry_falls_back_to_the_database(
     redis, client, key, django_assert_max_num_queries
 ):
     first = post(client, key)
-    redis.delete(fastpath.redis_key("anonymous", key))
+    redis.delete(cache.redis_key("anonymous", key))
     with django_assert_max_num_queries(2):
         second = post(client, key)
     assert second["Idempotent-Replay"] == "true"
     assert second.content == first.content
-    # The database answered, and its marker for the replay was dropped again.
-    assert entry(redis, "anonymous", key) is None
 
 
 def test_unreadable_entry_falls_back_to_the_database(redis, client, key):
     first = post(client, key)
-    redis.set(fastpath.redis_key("anonymous", key), b"C{not json\nbody")
+    redis.set(cache.redis_key("anonymous", key), b"C{not json\nbody")
     second = post(client, key)
     assert second["Idempotent-Replay"] == "true"
     assert second.content == first.content
@@ -218,30 +196,13 @@ def test_unreadable_entry_falls_back_to_the_database(redis, client, key):
 # --- releases -----------------------------------------------------------------------------------
 
 
-def test_failed_request_removes_its_marker_so_a_retry_runs_at_once(redis, client, key):
+def test_failed_request_leaves_nothing_in_redis_and_a_retry_runs_at_once(redis, client, key):
     failed = post(client, key, name="a", status=500)
     assert failed.status_code == 500
     assert entry(redis, "anonymous", key) is None
     retry = post(client, key, name="a")
     assert retry.status_code == 201
     assert Widget.objects.count() == 1  # the failed request's write rolled back
-
-
-def test_release_only_deletes_its_own_marker(redis, key):
-    first = engine.claim(identity(key))
-    assert isinstance(first, engine.Proceed)
-    fastpath.release(identity(key), uuid.uuid4())  # another owner's token: no effect
-    assert entry(redis, "tenant", key).startswith(b"P")
-    fastpath.release(identity(key), first.lease.owner_token)
-    assert entry(redis, "tenant", key) is None
-
-
-def test_refused_claim_drops_the_marker_it_set(redis, key):
-    # The database holds the key (claimed while the fast path was off), Redis knows nothing.
-    with fastpath_disabled():
-        assert isinstance(engine.claim(identity(key)), engine.Proceed)
-    assert isinstance(engine.claim(identity(key)), engine.Conflict)
-    assert entry(redis, "tenant", key) is None
 
 
 def test_admin_release_removes_the_stale_redis_copy(redis, client, key):
@@ -257,33 +218,18 @@ def test_admin_release_removes_the_stale_redis_copy(redis, client, key):
     assert Widget.objects.count() == 2
 
 
-def test_completion_is_not_copied_after_the_key_was_released_in_flight(redis, key):
-    decision = engine.claim(identity(key))
-    assert isinstance(decision, engine.Proceed)
-
-    def view() -> HttpResponse:
-        signals.key_released.send(sender=IdempotencyRecord, scope="tenant", key=key, reason="admin")
-        return HttpResponse(b"late", status=201)
-
-    engine.run(decision.lease, view)
-    assert entry(redis, "tenant", key) is None
-    replay = engine.claim(identity(key))
-    assert isinstance(replay, engine.Replay)  # from the database, which is the truth
-
-
 def test_rolled_back_completion_is_never_copied(redis, key):
-    decision = engine.claim(identity(key))
-    assert isinstance(decision, engine.Proceed)
+    decision = lifecycle.claim(identity(key))
+    assert isinstance(decision, Proceed)
 
     def view() -> HttpResponse:
         # Another request took the key over meanwhile: the completion must roll back.
         IdempotencyRecord.objects.filter(key=key).update(owner_token=uuid.uuid4())
         return HttpResponse(b"lost", status=201)
 
-    with pytest.raises(engine.LeaseLost):
-        engine.run(decision.lease, view)
-    value = entry(redis, "tenant", key)
-    assert value is None or value.startswith(b"P")
+    with pytest.raises(LeaseLostConflict):
+        lifecycle.run(decision.lease, view)
+    assert entry(redis, "tenant", key) is None
 
 
 # --- Redis failures -----------------------------------------------------------------------------
@@ -365,7 +311,7 @@ def test_redis_stopped_and_restarted_between_requests(
     fresh = post(client, "during")
     assert fresh.status_code == 201
     assert post(client, "during")["Idempotent-Replay"] == "true"
-    assert {failure["operation"] for failure in failures} >= {"claim", "complete"}
+    assert {failure["operation"] for failure in failures} >= {"lookup", "remember"}
     assert all(isinstance(failure["error"], Exception) for failure in failures)
 
     private_redis.start()
@@ -422,7 +368,7 @@ def test_after_a_redis_error_the_process_rests_then_tries_redis_again(
     assert post(client, "second").status_code == 201
     assert post(client, "second")["Idempotent-Replay"] == "true"
     assert time.monotonic() - failed_at < pause, "the machine was too slow to see the rest"
-    assert [failure["operation"] for failure in failures] == ["claim"]
+    assert [failure["operation"] for failure in failures] == ["lookup"]
 
     private_redis.start()
     time.sleep(max(0.0, pause - (time.monotonic() - failed_at)) + 0.1)
@@ -437,13 +383,13 @@ def test_a_released_key_copy_is_deleted_even_while_resting(
 ):
     idempotency_settings(CACHE_RETRY_SECONDS=60)
     private_redis.stop()
-    fastpath.claim(identity(key), uuid.uuid4())
+    assert cache.lookup(identity(key)) is None
     private_redis.start()
     client = get_redis_connection(ALIAS)
-    client.set(fastpath.redis_key("s", key), b"stale copy")
+    client.set(cache.redis_key("s", key), b"stale copy")
     signals.key_released.send(sender=IdempotencyRecord, scope="s", key=key, reason="admin")
-    assert client.get(fastpath.redis_key("s", key)) is None
-    assert [failure["operation"] for failure in failures] == ["claim"]
+    assert client.get(cache.redis_key("s", key)) is None
+    assert [failure["operation"] for failure in failures] == ["lookup"]
 
 
 def test_failed_forget_is_reported_loudly(private_redis, failures, key):
@@ -472,6 +418,54 @@ def test_concurrent_duplicates_run_once_with_the_fast_path(redis, key):
     assert len(statuses) == 6
     assert set(statuses) <= {201, 409}
     assert Widget.objects.filter(name="race").count() == 1
+
+
+# --- a Redis error never outvotes the database (issue: a retry after a 500 refused for a lease) --
+
+
+@pytest.mark.parametrize("fault", ["stopped", "restarted", "slow"])
+def test_a_retry_after_a_500_runs_at_once_whatever_redis_did(
+    private_redis, client, key, failures, fault, idempotency_settings, monkeypatch
+):
+    """The first request fails with a 500 while Redis fails under it; its retry must run
+    at once, never get a 409 from anything Redis kept."""
+    idempotency_settings(CACHE_RETRY_SECONDS=60)  # rest for the whole test after an error
+    original_view = WidgetAPIView.post
+
+    def failing_view(self: Any, request: Any) -> Any:
+        if fault == "slow":
+            # A Redis that answers too late: the client's socket times out.
+            monkeypatch.setattr(cache, "_client", lambda: _timing_out_client())
+        else:
+            private_redis.stop()
+            if fault == "restarted":
+                private_redis.start()
+        return original_view(self, request)
+
+    monkeypatch.setattr(WidgetAPIView, "post", failing_view)
+    failed = post(client, key, name="a", status=500)
+    assert failed.status_code == 500
+    monkeypatch.setattr(WidgetAPIView, "post", original_view)
+    monkeypatch.undo()
+    if private_redis.process is None:
+        private_redis.start()
+    cache._resting_until.clear()  # Redis is back and the process uses it again at once
+    retry = post(client, key, name="a")
+    assert retry.status_code == 201, retry.content
+    assert retry["Idempotent-Replay"] == "false"
+    assert Widget.objects.filter(name="a").count() == 1
+    assert post(client, key, name="a")["Idempotent-Replay"] == "true"
+
+
+def _timing_out_client() -> Any:
+    class TimingOut:
+        def __getattr__(self, name: str) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                raise TimeoutError("Redis did not answer in time")
+
+            return call
+
+    return TimingOut()
 
 
 def test_fast_path_adds_no_database_statement_to_a_first_request(

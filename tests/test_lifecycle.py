@@ -1,4 +1,6 @@
-"""The state machine at the engine level, every row of DESIGN.md, on every backend."""
+"""The state machine through the lifecycle and the record store, every row of DESIGN.md, on
+every backend. Time passes by ageing records (``age_record``): leases are judged by the
+database's clock, which freezegun does not move."""
 
 from __future__ import annotations
 
@@ -8,15 +10,13 @@ from datetime import timedelta
 import pytest
 from django.conf import settings
 from django.http import HttpResponse, StreamingHttpResponse
-from django.utils import timezone
-from freezegun import freeze_time
 
 from django_idempotency import signals
-from django_idempotency.exceptions import LeaseLost
+from django_idempotency.core.types import Conflict, Lease, Mismatch, Proceed, Replay, StoredResponse
+from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.request import engine
-from django_idempotency.request.responses import StoredResponse
-from tests.factories import identity
+from django_idempotency.request import lifecycle, store
+from tests.factories import age_record, identity
 from tests.testapp.models import Widget
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -28,13 +28,13 @@ ON_POSTGRESQL = settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
 def claim_path(request, monkeypatch):
     """On PostgreSQL, run each test through the one-statement claim and the portable one."""
     if request.param == "portable":
-        monkeypatch.setattr(engine, "_claim_postgresql", engine._claim_portable)
+        monkeypatch.setattr(store, "_claim_postgresql", store._claim_portable)
     return request.param
 
 
-def proceed(ident) -> engine.Lease:
-    decision = engine.claim(ident)
-    assert isinstance(decision, engine.Proceed), decision
+def proceed(ident) -> Lease:
+    decision = lifecycle.claim(ident)
+    assert isinstance(decision, Proceed), decision
     return decision.lease
 
 
@@ -58,15 +58,13 @@ def make_widget_view(name: str, response: HttpResponse | None = None):
 
 def test_absent_key_is_claimed_with_a_lease(claim_path):
     ident = identity()
-    with freeze_time("2026-01-01 12:00:00"):
-        lease = proceed(ident)
+    lease = proceed(ident)
     record = IdempotencyRecord.objects.get(scope=ident.scope, key=ident.key)
     assert record.status == "PROCESSING"
     assert record.owner_token == lease.owner_token
     assert lease.attempt == record.attempts == 1
-    assert record.lease_expires_at == timezone.now().replace(
-        year=2026, month=1, day=1, hour=12, minute=0, second=30, microsecond=0
-    )
+    assert record.lease_expires_at == lease.expires_at
+    assert record.lease_expires_at - record.created_at == timedelta(seconds=30)
     assert record.expires_at - record.created_at == timedelta(seconds=30 + 86400)
     assert (record.method, record.path, record.fingerprint) == (
         ident.method,
@@ -79,9 +77,9 @@ def test_completed_key_replays_status_allowed_headers_and_exact_body(claim_path)
     ident = identity()
     lease = proceed(ident)
     body = b'{"b": 2,  "a": [1, 2, "\xc3\xa9"]}'
-    engine.run(lease, make_widget_view("w", created(201, body)))
-    decision = engine.claim(ident)
-    assert isinstance(decision, engine.Replay)
+    lifecycle.run(lease, make_widget_view("w", created(201, body)))
+    decision = lifecycle.claim(ident)
+    assert isinstance(decision, Replay)
     assert decision.response == StoredResponse(
         status=201,
         headers=[
@@ -91,7 +89,7 @@ def test_completed_key_replays_status_allowed_headers_and_exact_body(claim_path)
         ],
         body=body,
     )
-    replayed = engine.replay(decision)
+    replayed = lifecycle.replay(decision.response)
     assert replayed.content == body
     assert replayed["Idempotent-Replay"] == "true"
     assert not replayed.has_header("Set-Cookie") and not replayed.cookies
@@ -102,11 +100,10 @@ def test_completed_key_replays_status_allowed_headers_and_exact_body(claim_path)
 
 def test_running_key_conflicts_with_seconds_left_on_the_lease(claim_path):
     ident = identity()
-    with freeze_time("2026-01-01 12:00:00") as clock:
-        proceed(ident)
-        clock.tick(timedelta(seconds=10.5))
-        decision = engine.claim(ident)
-    assert decision == engine.Conflict(retry_after=20)
+    proceed(ident)
+    age_record(ident.scope, ident.key, 10.5)
+    decision = lifecycle.claim(ident)
+    assert decision == Conflict(retry_after=20)
 
 
 @pytest.mark.parametrize("state", ["processing", "completed"])
@@ -114,9 +111,9 @@ def test_other_fingerprint_is_a_mismatch(claim_path, state):
     ident = identity()
     lease = proceed(ident)
     if state == "completed":
-        engine.run(lease, make_widget_view("w"))
+        lifecycle.run(lease, make_widget_view("w"))
     other = identity(key=ident.key, fingerprint="e" * 64)
-    assert engine.claim(other) == engine.Mismatch()
+    assert lifecycle.claim(other) == Mismatch()
 
 
 def test_expired_lease_is_taken_over_with_a_new_owner(claim_path):
@@ -124,10 +121,9 @@ def test_expired_lease_is_taken_over_with_a_new_owner(claim_path):
     taken_over = []
     signals.key_taken_over.connect(lambda **kw: taken_over.append(kw), dispatch_uid="t", weak=False)
     try:
-        with freeze_time("2026-01-01 12:00:00") as clock:
-            first = proceed(ident)
-            clock.tick(timedelta(seconds=31))
-            second = proceed(ident)
+        first = proceed(ident)
+        age_record(ident.scope, ident.key, 31)
+        second = proceed(ident)
     finally:
         signals.key_taken_over.disconnect(dispatch_uid="t")
     assert second.attempt == 2 and second.taken_over
@@ -142,22 +138,20 @@ def test_expired_lease_is_taken_over_with_a_new_owner(claim_path):
 
 def test_expired_lease_with_another_fingerprint_is_still_a_mismatch(claim_path):
     ident = identity()
-    with freeze_time("2026-01-01 12:00:00") as clock:
-        proceed(ident)
-        clock.tick(timedelta(seconds=31))
-        decision = engine.claim(identity(key=ident.key, fingerprint="e" * 64))
-    assert decision == engine.Mismatch()
+    proceed(ident)
+    age_record(ident.scope, ident.key, 31)
+    decision = lifecycle.claim(identity(key=ident.key, fingerprint="e" * 64))
+    assert decision == Mismatch()
 
 
 def test_completed_record_past_ttl_counts_as_absent(claim_path):
     ident = identity()
-    with freeze_time("2026-01-01 12:00:00") as clock:
-        engine.run(proceed(ident), make_widget_view("first"))
-        clock.tick(timedelta(seconds=86400 - 1))
-        assert isinstance(engine.claim(ident), engine.Replay)
-        clock.tick(timedelta(seconds=2))
-        # Past the TTL the key is free again, even for another request.
-        lease = proceed(identity(key=ident.key, fingerprint="e" * 64))
+    lifecycle.run(proceed(ident), make_widget_view("first"))
+    age_record(ident.scope, ident.key, 86400 - 1)
+    assert isinstance(lifecycle.claim(ident), Replay)
+    age_record(ident.scope, ident.key, 2)
+    # Past the TTL the key is free again, even for another request.
+    lease = proceed(identity(key=ident.key, fingerprint="e" * 64))
     assert lease.attempt == 1
     record = IdempotencyRecord.objects.get(key=ident.key)
     assert (record.status, record.fingerprint, record.response_body) == (
@@ -169,22 +163,20 @@ def test_completed_record_past_ttl_counts_as_absent(claim_path):
 
 def test_abandoned_processing_record_past_ttl_counts_as_absent(claim_path):
     ident = identity()
-    with freeze_time("2026-01-01 12:00:00") as clock:
-        proceed(ident)
-        clock.tick(timedelta(seconds=30 + 86400 + 1))
-        lease = proceed(identity(key=ident.key, fingerprint="e" * 64))
+    proceed(ident)
+    age_record(ident.scope, ident.key, 30 + 86400 + 1)
+    lease = proceed(identity(key=ident.key, fingerprint="e" * 64))
     assert lease.attempt == 1
 
 
 def test_completion_after_a_takeover_is_fenced_off(claim_path):
     ident = identity()
-    with freeze_time("2026-01-01 12:00:00") as clock:
-        slow = proceed(ident)
-        clock.tick(timedelta(seconds=31))
-        fast = proceed(ident)
-        with pytest.raises(LeaseLost):
-            engine.run(slow, make_widget_view("slow"))
-        engine.run(fast, make_widget_view("fast"))
+    slow = proceed(ident)
+    age_record(ident.scope, ident.key, 31)
+    fast = proceed(ident)
+    with pytest.raises(LeaseLostConflict):
+        lifecycle.run(slow, make_widget_view("slow"))
+    lifecycle.run(fast, make_widget_view("fast"))
     assert list(Widget.objects.values_list("name", flat=True)) == ["fast"]
     record = IdempotencyRecord.objects.get(key=ident.key)
     assert record.status == "COMPLETED" and record.owner_token == fast.owner_token
@@ -199,7 +191,7 @@ def test_exception_in_view_rolls_back_and_releases_the_key(claim_path):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError):
-        engine.run(lease, failing_view)
+        lifecycle.run(lease, failing_view)
     assert not Widget.objects.exists()
     assert not IdempotencyRecord.objects.filter(key=ident.key).exists()
     assert proceed(ident).attempt == 1  # the client may retry at once
@@ -207,7 +199,7 @@ def test_exception_in_view_rolls_back_and_releases_the_key(claim_path):
 
 def test_server_error_response_is_not_stored_and_releases_the_key(claim_path):
     ident = identity()
-    response = engine.run(proceed(ident), make_widget_view("doomed", created(status=503)))
+    response = lifecycle.run(proceed(ident), make_widget_view("doomed", created(status=503)))
     assert response.status_code == 503 and response["Idempotent-Replay"] == "false"
     assert not Widget.objects.exists()
     assert not IdempotencyRecord.objects.filter(key=ident.key).exists()
@@ -216,9 +208,9 @@ def test_server_error_response_is_not_stored_and_releases_the_key(claim_path):
 def test_stored_status_codes_decide_what_is_final(claim_path, idempotency_settings):
     idempotency_settings(STORED_STATUS_CODES=[200, 201, 500])
     ident = identity()
-    engine.run(proceed(ident), make_widget_view("kept", created(status=500)))
-    decision = engine.claim(ident)
-    assert isinstance(decision, engine.Replay) and decision.response.status == 500
+    lifecycle.run(proceed(ident), make_widget_view("kept", created(status=500)))
+    decision = lifecycle.claim(ident)
+    assert isinstance(decision, Replay) and decision.response.status == 500
     assert Widget.objects.count() == 1
 
 
@@ -229,12 +221,12 @@ def test_streaming_response_completes_without_its_body(claim_path):
         Widget.objects.create(name="streamed")
         return StreamingHttpResponse(iter([b"a", b"b"]), status=200)
 
-    response = engine.run(proceed(ident), streaming_view)
+    response = lifecycle.run(proceed(ident), streaming_view)
     assert b"".join(response.streaming_content) == b"ab"
-    decision = engine.claim(ident)
-    assert isinstance(decision, engine.Replay)
+    decision = lifecycle.claim(ident)
+    assert isinstance(decision, Replay)
     assert not decision.response.retained
-    replayed = engine.replay(decision)
+    replayed = lifecycle.replay(decision.response)
     assert replayed.status_code == 200
     assert replayed["Content-Type"] == "application/problem+json"
     assert b"response_not_retained" in replayed.content
@@ -244,44 +236,43 @@ def test_streaming_response_completes_without_its_body(claim_path):
 def test_oversized_response_completes_without_its_body(claim_path, idempotency_settings):
     idempotency_settings(MAX_RESPONSE_BYTES=10)
     ident = identity()
-    engine.run(proceed(ident), make_widget_view("big", created(body=b"x" * 11)))
+    lifecycle.run(proceed(ident), make_widget_view("big", created(body=b"x" * 11)))
     record = IdempotencyRecord.objects.get(key=ident.key)
     assert record.status == "COMPLETED" and not record.response_retained
     assert record.response_body in (b"", None) or bytes(record.response_body) == b""
-    replayed = engine.replay(engine.claim(ident))
+    replayed = lifecycle.replay(lifecycle.claim(ident).response)
     assert replayed.status_code == 201 and replayed["Location"] == "/widgets/1"
 
 
 def test_release_needs_the_owner_token(claim_path):
     ident = identity()
     lease = proceed(ident)
-    impostor = engine.Lease(ident, uuid.uuid4(), lease.expires_at, 1, lease.using)
-    assert engine.release(impostor, reason="test") is False
-    assert engine.release(lease, reason="test") is True
+    impostor = Lease(ident, uuid.uuid4(), lease.expires_at, 1, lease.using)
+    assert store.release(impostor) is False
+    assert store.release(lease) is True
     assert not IdempotencyRecord.objects.exists()
 
 
 def test_scopes_keep_the_same_key_apart(claim_path):
     mine = identity(scope="user:1", key="shared")
     theirs = identity(scope="user:2", key="shared", fingerprint="e" * 64)
-    engine.run(proceed(mine), make_widget_view("mine", created(body=b"mine")))
+    lifecycle.run(proceed(mine), make_widget_view("mine", created(body=b"mine")))
     lease = proceed(theirs)
-    engine.run(lease, make_widget_view("theirs", created(body=b"theirs")))
-    assert engine.claim(mine).response.body == b"mine"
-    assert engine.claim(theirs).response.body == b"theirs"
+    lifecycle.run(lease, make_widget_view("theirs", created(body=b"theirs")))
+    assert lifecycle.claim(mine).response.body == b"mine"
+    assert lifecycle.claim(theirs).response.body == b"theirs"
 
 
 def test_keys_differing_in_case_or_trailing_space_are_different_records(claim_path):
     for key in ("abc", "ABC", "abc "):
-        engine.run(proceed(identity(key=key)), make_widget_view(key))
+        lifecycle.run(proceed(identity(key=key)), make_widget_view(key))
     assert IdempotencyRecord.objects.count() == 3
 
 
 def test_derived_key_is_stable_across_a_takeover(claim_path):
     ident = identity(scope="user:7", key="k1")
-    with freeze_time("2026-01-01 12:00:00") as clock:
-        first = proceed(ident)
-        clock.tick(timedelta(seconds=31))
-        second = proceed(ident)
+    first = proceed(ident)
+    age_record(ident.scope, ident.key, 31)
+    second = proceed(ident)
     assert first.derived_key("charge") == second.derived_key("charge") == "user:7:k1:charge"
     assert first.derived_key("email") != first.derived_key("charge")

@@ -1,0 +1,95 @@
+"""The request state machine: a stored record, a request's fingerprint and the database's time in,
+a verdict out.
+
+Every rule about a key lives here once: when a record counts as absent (expired), when a lease is
+still running, what a retry gets. The record store (``request/store.py``) applies these verdicts
+under its locks, the admin and the sweeps ask the same questions, and the PostgreSQL claim
+statement (``db/postgresql.py``) says them in SQL, checked against this module by a property
+test. Nothing here knows Django, a request or a database.
+
+Times are the database's: a record's lease is measured by the clock that wrote it, never by the
+clock of the web server asking, so servers whose clocks disagree cannot both own one key.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from datetime import datetime
+
+__all__ = [
+    "COMPLETED",
+    "PROCESSING",
+    "RecordState",
+    "Verdict",
+    "is_expired",
+    "judge",
+    "lease_running",
+    "seconds_left",
+]
+
+#: A request holds the key (its lease may have run out).
+PROCESSING = "PROCESSING"
+#: The response is stored; retries replay it until the record expires.
+COMPLETED = "COMPLETED"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordState:
+    """What the state machine needs of a stored record."""
+
+    status: str
+    fingerprint: str
+    lease_expires_at: datetime | None
+    expires_at: datetime
+
+
+class Verdict(enum.Enum):
+    """What a request may do with its key."""
+
+    #: No live record: claim the key as new (insert, or reuse an expired record).
+    CLAIM = "claim"
+    #: The same request was PROCESSING and its lease ran out: take the key over.
+    TAKE_OVER = "take_over"
+    #: COMPLETED by the same request: answer with the stored response.
+    REPLAY = "replay"
+    #: Another request holds a running lease on the key: 409, retry after it.
+    CONFLICT = "conflict"
+    #: The key was used for a different request: 422.
+    MISMATCH = "mismatch"
+
+
+def lease_running(status: str, lease_expires_at: datetime | None, now: datetime) -> bool:
+    """A request holds the key right now: PROCESSING with a lease that has not run out."""
+    return status == PROCESSING and lease_expires_at is not None and lease_expires_at > now
+
+
+def is_expired(record: RecordState, now: datetime) -> bool:
+    """Past its TTL and not held by a running lease: a claim treats the record as absent.
+
+    A slow request keeps its record however old it is; the TTL never cuts a lease short.
+    """
+    return record.expires_at <= now and not lease_running(
+        record.status, record.lease_expires_at, now
+    )
+
+
+def judge(record: RecordState | None, fingerprint: str, now: datetime) -> Verdict:
+    """The verdict for a request with ``fingerprint`` that finds ``record`` at time ``now``."""
+    if record is None or is_expired(record, now):
+        return Verdict.CLAIM
+    if record.fingerprint != fingerprint:
+        return Verdict.MISMATCH
+    if record.status == COMPLETED:
+        return Verdict.REPLAY
+    if lease_running(record.status, record.lease_expires_at, now):
+        return Verdict.CONFLICT
+    return Verdict.TAKE_OVER
+
+
+def seconds_left(lease_expires_at: datetime | None, now: datetime) -> int:
+    """Whole seconds until a lease runs out, at least 1: the ``Retry-After`` of a 409."""
+    if lease_expires_at is None:
+        return 1
+    return max(1, math.ceil((lease_expires_at - now).total_seconds()))

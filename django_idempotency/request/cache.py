@@ -1,0 +1,166 @@
+"""The optional Redis copy of completed responses (``IDEMPOTENCY["CACHE_ALIAS"]``).
+
+Redis only ever holds what the database has already committed: a copy of a completed response,
+written after the completing transaction commits and expiring with the record. A retry with the
+same scope (part of the Redis key) and the same fingerprint (stored in the copy) is answered
+from it without a query; anything else, including a missing or unreadable copy, asks the
+database. So Redis can make an answer cheaper but can never decide one: there is no in-flight
+marker in Redis, and a Redis that is down, slow or restarted can never refuse a retry (409) or
+replay something the database does not hold.
+
+Any Redis error is logged, sent as :data:`~django_idempotency.signals.fast_path_failed` and
+answered by the database instead. The process then leaves Redis alone for
+``CACHE_RETRY_SECONDS``, so a Redis that hangs costs one timeout, not one per request; copies are
+still deleted (:func:`forget`) while resting, since a copy left behind could replay a key an
+operator released.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from django.core.cache import caches
+from django.dispatch import receiver
+
+from django_idempotency import signals
+from django_idempotency.conf import conf
+from django_idempotency.core.types import Identity, StoredResponse
+from django_idempotency.exceptions import IdempotencyConfigurationError
+from django_idempotency.request import events
+
+__all__ = ["REDIS_ERRORS", "enabled", "forget", "lookup", "redis_key", "remember"]
+
+logger = logging.getLogger(__name__)
+
+try:
+    from redis.exceptions import RedisError
+except ImportError:  # pragma: no cover - only without the "redis" extra, where the path is off
+
+    class RedisError(Exception):  # type: ignore[no-redef]
+        pass
+
+
+#: What counts as "Redis failed": the client's own errors, and the socket errors beneath them.
+REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError)
+
+#: ``key_released`` reasons for a request giving up its own PROCESSING record, which never has
+#: a copy in Redis; any other release (the admin's, a sweep's) deletes the copy.
+_OWN_RELEASE_REASONS = frozenset({"not_stored", "exception", "rolled_back"})
+
+_COPY = b"C"
+
+#: Per cache alias, when this process may use Redis again after an error (monotonic clock).
+_resting_until: dict[str, float] = {}
+
+
+def enabled() -> bool:
+    return conf.CACHE_ALIAS is not None
+
+
+def _in_use() -> bool:
+    """Enabled, and not resting after a recent error. The database answers meanwhile."""
+    alias = conf.CACHE_ALIAS
+    return alias is not None and time.monotonic() >= _resting_until.get(alias, 0.0)
+
+
+def _client() -> Any:
+    alias = conf.CACHE_ALIAS
+    try:
+        from django_redis import get_redis_connection
+
+        return get_redis_connection(alias or "default")
+    except (ImportError, NotImplementedError) as exc:
+        raise IdempotencyConfigurationError(
+            f"IDEMPOTENCY['CACHE_ALIAS'] = {alias!r} must name a django-redis cache "
+            f"(BACKEND 'django_redis.cache.RedisCache'): {exc}. "
+            f"Install django-idempotency[redis], or set CACHE_ALIAS to None."
+        ) from exc
+
+
+def redis_key(scope: str, key: str) -> str:
+    """The copy's name. The scope's length keeps ``("a:b", "c")`` apart from ``("a", "b:c")``."""
+    cache = caches[conf.CACHE_ALIAS or "default"]
+    return str(cache.make_key(f"idem:{len(scope)}:{scope}:{key}"))
+
+
+def lookup(identity: Identity) -> StoredResponse | None:
+    """The completed response for exactly this request, or None to ask the database."""
+    if not _in_use():
+        return None
+    try:
+        value = _client().get(redis_key(identity.scope, identity.key))
+    except REDIS_ERRORS as exc:
+        _failed("lookup", identity.scope, identity.key, exc)
+        return None
+    if value is None:
+        return None
+    return _decode(bytes(value), identity.fingerprint)
+
+
+def remember(identity: Identity, stored: StoredResponse, ttl_seconds: float) -> None:
+    """Copy a committed response, to expire ``ttl_seconds`` from now (the record's TTL)."""
+    milliseconds = int(ttl_seconds * 1000)
+    if not _in_use() or milliseconds <= 0:
+        return
+    try:
+        _client().set(
+            redis_key(identity.scope, identity.key),
+            _encode(identity.fingerprint, stored),
+            px=milliseconds,
+        )
+    except REDIS_ERRORS as exc:
+        _failed("remember", identity.scope, identity.key, exc)
+
+
+def forget(scope: str, key: str) -> None:
+    """Delete the copy: its record is gone. Tried even while resting after an error."""
+    if not enabled():
+        return
+    try:
+        _client().delete(redis_key(scope, key))
+    except REDIS_ERRORS as exc:
+        # The copy may now outlive its record until its own expiry: say so loudly.
+        _failed("forget", scope, key, exc, level=logging.ERROR)
+
+
+@receiver(signals.key_released, dispatch_uid="django_idempotency.request.cache.forget")
+def _forget_released(sender: Any, scope: str, key: str, reason: str = "", **kwargs: Any) -> None:
+    if reason not in _OWN_RELEASE_REASONS:
+        forget(scope, key)
+
+
+def _encode(fingerprint: str, stored: StoredResponse) -> bytes:
+    meta = {"f": fingerprint, "s": stored.status, "h": stored.headers, "r": stored.retained}
+    return _COPY + json.dumps(meta, separators=(",", ":")).encode() + b"\n" + stored.body
+
+
+def _decode(value: bytes, fingerprint: str) -> StoredResponse | None:
+    """The stored response when the copy is readable and was made for the same fingerprint."""
+    if not value.startswith(_COPY):
+        return None
+    head, _, body = value[1:].partition(b"\n")
+    try:
+        meta = json.loads(head)
+        if meta["f"] != fingerprint:
+            return None  # the database decides between a replay and 422
+        return StoredResponse(
+            status=int(meta["s"]),
+            headers=[(str(name), str(val)) for name, val in meta["h"]],
+            body=body,
+            retained=bool(meta["r"]),
+        )
+    except (ValueError, KeyError, TypeError):
+        logger.warning("unreadable idempotency entry in Redis; asking the database")
+        return None
+
+
+def _failed(
+    operation: str, scope: str, key: str, exc: BaseException, level: int = logging.WARNING
+) -> None:
+    alias, pause = conf.CACHE_ALIAS, conf.CACHE_RETRY_SECONDS
+    if alias is not None and pause > 0:
+        _resting_until[alias] = time.monotonic() + pause
+    events.fast_path_failed(operation, scope, key, exc, level)

@@ -1,0 +1,397 @@
+"""The request lifecycle: claim, run, complete or release, replay. Written once, here.
+
+Every entry point is a door into this module: the middleware and ``@idempotent`` call
+:func:`serve` (or :func:`serve_async` for async views); the DRF mixin calls :func:`admit` after
+DRF's authentication and permissions, then :func:`run` around its handler. None of them does any
+of the protocol itself. Below this module sit the rules (``core/statemachine.py``), the record
+store (``store.py``, the database) and the Redis copy (``cache.py``); nothing below calls back up.
+
+The rules a request meets, whichever door it came through:
+
+* Not guarded (another method, no key where none is required, already guarded by an outer
+  door): served exactly as Django would serve it, inside the ``ATOMIC_REQUESTS`` transactions.
+* Guarded: the claim commits on its own first; then the view runs inside one transaction per
+  database (the records' database and every ``ATOMIC_REQUESTS`` one), and its response is stored
+  in that same transaction, fenced by the owner token.
+* Nothing is stored, the key is released and the view's writes roll back when the view raises
+  (DRF's validation, permission and throttling errors included), returns a response that is not
+  to be stored (5xx by default, or one DRF made from an exception), or marks its transaction for
+  rollback (``transaction.set_rollback(True)``, or a database error it caught); the client gets
+  the view's own answer and a retry with the same key runs again.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Collection
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+
+from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
+from django.db import InterfaceError, OperationalError, connections, transaction
+from django.http import HttpRequest, HttpResponseBase
+from django.template.response import SimpleTemplateResponse
+
+from django_idempotency.conf import GUARDED_METHODS, conf
+from django_idempotency.core.types import (
+    Conflict,
+    Decision,
+    Identity,
+    Lease,
+    Mismatch,
+    Proceed,
+    Replay,
+    StoredResponse,
+)
+from django_idempotency.exceptions import (
+    IdempotencyHTTPError,
+    IdempotencyKeyMissing,
+    LeaseLost,
+    LeaseLostConflict,
+    PayloadMismatch,
+    StoreUnavailable,
+    TransactionInProgress,
+)
+from django_idempotency.request import cache, events, store
+from django_idempotency.request.fingerprint import (
+    hand_over_cleanup,
+    recorded_path,
+    request_fingerprint,
+)
+from django_idempotency.request.heartbeat import LeaseHeartbeat
+from django_idempotency.request.keys import parse_key
+from django_idempotency.request.responses import capture, problem_response
+from django_idempotency.request.responses import replay as replay_response
+from django_idempotency.request.scopes import resolve_scope
+
+__all__ = [
+    "UNAVAILABLE_ERRORS",
+    "Options",
+    "DEFAULT_OPTIONS",
+    "admit",
+    "atomic_requests",
+    "claim",
+    "default_should_store",
+    "guards",
+    "identify",
+    "opt_out_of_atomic_requests",
+    "read_key",
+    "refusal",
+    "replay",
+    "run",
+    "serve",
+    "serve_async",
+    "unhandled",
+]
+
+#: Database errors that mean "the database is not there", answered 503 rather than 500.
+UNAVAILABLE_ERRORS = (OperationalError, InterfaceError)
+
+ViewT = TypeVar("ViewT", bound=Callable[..., Any])
+CallView = Callable[[], HttpResponseBase]
+ErrorResponse = Callable[[IdempotencyHTTPError], HttpResponseBase]
+
+
+def default_should_store(response: HttpResponseBase) -> bool:
+    """Store a response the view returned with a status in ``STORED_STATUS_CODES``.
+
+    A response DRF made from an exception (``response.exception``) is the exception's answer,
+    not the view's: it is treated like the exception itself and never stored.
+    """
+    return response.status_code in conf.STORED_STATUS_CODES and not getattr(
+        response, "exception", False
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """How one view (or the middleware) uses the lifecycle."""
+
+    #: HTTP methods guarded; the others pass straight through.
+    methods: Collection[str] = field(default_factory=lambda: frozenset(GUARDED_METHODS))
+    #: Whether a response is final and stored (see :func:`default_should_store`).
+    should_store: Callable[[HttpResponseBase], bool] = default_should_store
+    #: Extend the lease from a background thread while the view runs (None: the setting).
+    heartbeat: bool | None = None
+
+
+DEFAULT_OPTIONS = Options()
+
+
+# --- the doors' shared steps -------------------------------------------------------------------
+
+
+def guards(request: HttpRequest, options: Options) -> bool:
+    """Whether this request is the lifecycle's to guard (an outer door may have done it)."""
+    return request.method in options.methods and getattr(request, "idempotency", None) is None
+
+
+def read_key(request: HttpRequest) -> str | None:
+    """The request's key; ``None`` when it sent none and none is required (400s otherwise)."""
+    raw = request.headers.get(conf.HEADER)
+    if raw is None:
+        if conf.KEY_REQUIRED:
+            raise IdempotencyKeyMissing(f"This endpoint requires an {conf.HEADER} header.")
+        return None
+    return parse_key(raw)
+
+
+def admit(
+    request: HttpRequest, *, scope: Callable[[], str], fingerprint: Callable[[], str]
+) -> Decision | None:
+    """Read the key and claim it: what this request may do, or ``None`` when it has no key.
+
+    Raises an :class:`IdempotencyHTTPError` for a missing or malformed key, a scope that cannot
+    be told, or a database that cannot be reached (503).
+    """
+    key = read_key(request)
+    if key is None:
+        return None
+    return claim(identify(request, key, scope=scope(), fingerprint=fingerprint()))
+
+
+def identify(request: HttpRequest, key: str, *, scope: str, fingerprint: str) -> Identity:
+    """What a claim is about: the key in its scope, and the request it must keep meaning."""
+    return Identity(
+        scope=scope,
+        key=key,
+        fingerprint=fingerprint,
+        method=request.method or "",
+        path=recorded_path(request),
+    )
+
+
+@events.instrumented("claim")
+def claim(identity: Identity) -> Decision:
+    """Claim a key: a replay from the Redis copy, else the record store's decision."""
+    stored = cache.lookup(identity)
+    if stored is not None:
+        decision: Decision = Replay(stored)
+    else:
+        try:
+            decision = store.claim(identity, uuid.uuid4())
+        except UNAVAILABLE_ERRORS as exc:
+            events.store_unavailable(
+                identity, "idempotency claim failed: database unavailable", exc
+            )
+            raise StoreUnavailable() from exc
+    events.announce(identity, decision)
+    return decision
+
+
+@events.instrumented("replay")
+def replay(stored: StoredResponse) -> HttpResponseBase:
+    return replay_response(stored)
+
+
+def refusal(decision: Conflict | Mismatch) -> IdempotencyHTTPError:
+    """The HTTP error a retry gets when it may not run."""
+    if isinstance(decision, Conflict):
+        return TransactionInProgress(wait=decision.retry_after)
+    return PayloadMismatch()
+
+
+# --- running the view --------------------------------------------------------------------------
+
+
+class _NotStored(Exception):
+    """Leaves the transactions (rolling them back) with a response that is not stored."""
+
+    def __init__(self, response: HttpResponseBase, reason: str) -> None:
+        self.response = response
+        self.reason = reason
+
+
+def run(
+    lease: Lease,
+    call_view: CallView,
+    options: Options = DEFAULT_OPTIONS,
+    *,
+    request: HttpRequest | None = None,
+    view: Callable[..., Any] | None = None,
+) -> HttpResponseBase:
+    """Run the view and store its response in one transaction; release the key otherwise.
+
+    ``call_view`` returns the final response (rendered here when it is a template response).
+    Raises :class:`LeaseLostConflict` when another request took the key over meanwhile (the
+    view's writes rolled back) and :class:`StoreUnavailable` when the database went away;
+    re-raises whatever the view raised, after releasing the key.
+    """
+    if request is not None:
+        request.idempotency = lease  # type: ignore[attr-defined]
+    aliases = _transaction_aliases(lease.using, view)
+    beat = conf.LEASE_HEARTBEAT if options.heartbeat is None else options.heartbeat
+    if connections[lease.using].vendor == "sqlite":
+        # SQLite has one writer at a time: while the view's transaction holds the write lock
+        # nobody can take the key over, and a heartbeat could not write either.
+        beat = False
+    try:
+        with LeaseHeartbeat(lease) if beat else nullcontext(), ExitStack() as transactions:
+            # Entered in this order, left in reverse: the business databases commit before the
+            # records' one, so a stored response never claims writes that failed to commit.
+            for alias in aliases:
+                transactions.enter_context(transaction.atomic(using=alias))
+            response = call_view()
+            if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
+                response.render()
+            if any(connections[alias].needs_rollback for alias in aliases):
+                raise _NotStored(response, "rolled_back")
+            if not options.should_store(response):
+                raise _NotStored(response, "not_stored")
+            stored = capture(response)
+            _complete(lease, stored)
+            completed_at = time.monotonic()
+    except _NotStored as not_stored:
+        _release(lease, not_stored.reason)
+        return _first_time(not_stored.response)
+    except LeaseLost as exc:
+        events.lease_lost(lease.identity)
+        raise LeaseLostConflict() from exc
+    except UNAVAILABLE_ERRORS as exc:
+        events.store_unavailable(lease.identity, "database unavailable during the request", exc)
+        _release(lease, "exception")
+        raise StoreUnavailable() from exc
+    except BaseException:
+        _release(lease, "exception")
+        raise
+    events.completed(lease, stored)
+    if cache.enabled():
+        # The copy expires with the record, which was given its TTL at the commit just done.
+        ttl = conf.TTL_SECONDS - (time.monotonic() - completed_at)
+        cache.remember(lease.identity, stored, ttl)
+    return _first_time(response)
+
+
+@events.instrumented("complete")
+def _complete(lease: Lease, stored: StoredResponse) -> None:
+    """Store the response; :class:`LeaseLost` (inside the span) when the key was taken over."""
+    if not store.complete(lease, stored):
+        raise LeaseLost("the lease was taken over by another request")
+
+
+def _release(lease: Lease, reason: str) -> None:
+    """Give the key back so a retry runs at once. Never raises: if the database is gone, the
+    lease runs out instead and the retry takes the key over then."""
+    try:
+        released = store.release(lease)
+    except UNAVAILABLE_ERRORS as exc:
+        events.store_unavailable(
+            lease.identity, "idempotency release failed; the key frees itself with its lease", exc
+        )
+        return
+    if released:
+        events.released(lease.identity, reason)
+
+
+def _first_time(response: HttpResponseBase) -> HttpResponseBase:
+    response[conf.REPLAY_HEADER] = "false"
+    return response
+
+
+# --- ATOMIC_REQUESTS ---------------------------------------------------------------------------
+
+
+def opt_out_of_atomic_requests(view: ViewT) -> ViewT:
+    """Stop Django wrapping ``view`` in ATOMIC_REQUESTS transactions; the lifecycle opens them.
+
+    The claim must commit before the view's transaction opens: inside ATOMIC_REQUESTS it would
+    commit only with the view, and concurrent duplicates would wait for the first request to
+    finish. Guarded requests get their transactions from :func:`run`, the others from
+    :func:`atomic_requests`, so nothing changes for them.
+    """
+    view._non_atomic_requests = set(connections)  # type: ignore[attr-defined]
+    return view
+
+
+def _atomic_aliases(view: Callable[..., Any] | None) -> list[str]:
+    """The databases ATOMIC_REQUESTS would wrap ``view`` in, as Django decides it."""
+    if view is not None and iscoroutinefunction(view):
+        return []  # Django refuses ATOMIC_REQUESTS for async views; so do we
+    skipped: set[str] = getattr(view, "_non_atomic_requests", set()) if view else set()
+    return [
+        alias
+        for alias, settings_dict in connections.settings.items()
+        if settings_dict.get("ATOMIC_REQUESTS") and alias not in skipped
+    ]
+
+
+def _transaction_aliases(records: str, view: Callable[..., Any] | None) -> list[str]:
+    """The records' database first, then every other ATOMIC_REQUESTS database."""
+    return [records, *(alias for alias in _atomic_aliases(view) if alias != records)]
+
+
+def atomic_requests(view: Callable[..., Any] | None = None) -> ExitStack:
+    """The transactions ATOMIC_REQUESTS would have opened, for a request the lifecycle leaves."""
+    stack = ExitStack()
+    for alias in _atomic_aliases(view):
+        stack.enter_context(transaction.atomic(using=alias))
+    return stack
+
+
+def unhandled(call_view: CallView, view: Callable[..., Any] | None = None) -> HttpResponseBase:
+    """Serve a request the lifecycle does not guard, exactly as Django would."""
+    with atomic_requests(view):
+        return call_view()
+
+
+# --- the whole lifecycle, for the middleware and the decorator ---------------------------------
+
+
+def serve(
+    request: HttpRequest,
+    call_view: CallView,
+    options: Options,
+    *,
+    view: Callable[..., Any] | None = None,
+    scope: Callable[[], str] | None = None,
+    fingerprint: Callable[[], str] | None = None,
+    error_response: ErrorResponse = problem_response,
+) -> HttpResponseBase:
+    """Guard one request from key to response. ``view`` is the view function being served
+    (for its ATOMIC_REQUESTS opt-outs); ``scope`` and ``fingerprint`` override the defaults."""
+    if not guards(request, options):
+        return unhandled(call_view, view)
+    try:
+        decision = admit(
+            request,
+            scope=scope or partial(resolve_scope, request),
+            fingerprint=fingerprint or partial(request_fingerprint, request),
+        )
+        match decision:
+            case None:
+                response = unhandled(call_view, view)
+            case Replay(response=stored):
+                response = replay(stored)
+            case Conflict() | Mismatch():
+                response = error_response(refusal(decision))
+            case Proceed(lease=lease):
+                response = run(lease, call_view, options, request=request, view=view)
+    except IdempotencyHTTPError as error:
+        response = error_response(error)
+    return hand_over_cleanup(request, response)
+
+
+async def serve_async(
+    request: HttpRequest,
+    call_view: Callable[[], Awaitable[HttpResponseBase]],
+    options: Options,
+    *,
+    view: Callable[..., Any] | None = None,
+) -> HttpResponseBase:
+    """:func:`serve` for an async view.
+
+    The view's transaction must live in one thread. The lifecycle runs in the thread Django's
+    async ORM calls use (``thread_sensitive``), and the async view inside it: its
+    ``sync_to_async`` database calls then run in this same thread, inside the transaction that
+    also stores the response. A request the lifecycle leaves alone never leaves the event loop.
+    """
+    if not guards(request, options) or (
+        conf.HEADER not in request.headers and not conf.KEY_REQUIRED
+    ):
+        return await call_view()
+    return await sync_to_async(serve, thread_sensitive=True)(
+        request, async_to_sync(call_view), options, view=view
+    )

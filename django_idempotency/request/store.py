@@ -1,0 +1,386 @@
+"""The record store: idempotency records in the database, the source of truth.
+
+Four operations, each one short statement or transaction, each judged by the database's clock
+(``db.database_now`` / ``NOW`` in the SQL) and by the rules of ``core/statemachine.py``:
+
+* :func:`claim` runs in autocommit, committed before the view's transaction opens, so a
+  concurrent duplicate sees the PROCESSING record at once and never waits on the first
+  request's business transaction. On PostgreSQL it is one statement for every path.
+* :func:`complete` is one UPDATE inside the business transaction, fenced by the owner token: a
+  request that lost its lease to a takeover updates nothing, and the caller rolls back.
+* :func:`release` deletes the record if this request still owns it, so a retry runs at once.
+* :func:`extend` pushes a lease forward (the heartbeat).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta
+from typing import Any, cast
+
+from django.db import IntegrityError, connections, router, transaction
+from django.db.models import Field
+
+from django_idempotency.conf import conf
+from django_idempotency.core.statemachine import (
+    COMPLETED,
+    PROCESSING,
+    RecordState,
+    Verdict,
+    judge,
+    seconds_left,
+)
+from django_idempotency.core.types import (
+    Conflict,
+    Decision,
+    Identity,
+    Lease,
+    Mismatch,
+    Proceed,
+    Replay,
+    StoredResponse,
+)
+from django_idempotency.db import dialect, to_datetime
+from django_idempotency.db import postgresql as pg
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.querysets import expired_q, stale_q
+
+__all__ = ["CLAIM_ROUNDS", "claim", "complete", "database_alias", "extend", "release"]
+
+#: A claim that keeps losing races to the same record gives up after this many rounds and
+#: answers 409: that other request is active right now.
+CLAIM_ROUNDS = 5
+
+
+def database_alias() -> str:
+    return router.db_for_write(IdempotencyRecord)
+
+
+# --- claim -------------------------------------------------------------------------------------
+
+
+def claim(identity: Identity, owner_token: uuid.UUID) -> Decision:
+    """What this request may do with its key. Database errors propagate to the caller."""
+    using = database_alias()
+    claim_round = (
+        _claim_postgresql if connections[using].vendor == "postgresql" else _claim_portable
+    )
+    for _ in range(CLAIM_ROUNDS):
+        decision = claim_round(identity, using, owner_token)
+        if decision is not None:
+            return decision
+    return Conflict(retry_after=1)
+
+
+def _decision(
+    record: IdempotencyRecord | None, identity: Identity, now: datetime
+) -> Verdict | Decision:
+    """The state machine's verdict, turned into a decision when it needs no write."""
+    verdict = judge(None if record is None else _state(record), identity.fingerprint, now)
+    if record is None:
+        return verdict
+    if verdict is Verdict.REPLAY:
+        return Replay(_stored(record))
+    if verdict is Verdict.CONFLICT:
+        return Conflict(retry_after=seconds_left(record.lease_expires_at, now))
+    if verdict is Verdict.MISMATCH:
+        return Mismatch()
+    return verdict
+
+
+def _state(record: IdempotencyRecord) -> RecordState:
+    return RecordState(
+        status=record.status,
+        fingerprint=record.fingerprint,
+        lease_expires_at=record.lease_expires_at,
+        expires_at=record.expires_at,
+    )
+
+
+def _stored(record: IdempotencyRecord) -> StoredResponse:
+    body = record.response_body
+    headers = record.response_headers
+    if isinstance(headers, str):  # a raw cursor reads jsonb as text
+        headers = json.loads(headers)
+    return StoredResponse(
+        status=record.response_status or 200,
+        headers=[(str(name), str(value)) for name, value in headers or ()],
+        body=bytes(body) if body is not None else b"",
+        retained=record.response_retained,
+    )
+
+
+def _claim_portable(identity: Identity, using: str, owner_token: uuid.UUID) -> Decision | None:
+    """Read the record and the database's time, then INSERT or a fenced takeover UPDATE.
+
+    Every statement commits on its own. Inside an outer transaction (which defeats the point,
+    but happens in tests and under ATOMIC_REQUESTS) the read locks, because MariaDB's
+    REPEATABLE READ snapshot would otherwise hide a row another request just committed.
+    """
+    record, now = _read_with_time(identity, using)
+    verdict = _decision(record, identity, now)
+    if not isinstance(verdict, Verdict):
+        return verdict
+    lease_expires_at = now + timedelta(seconds=conf.LEASE_SECONDS)
+    values = {
+        "fingerprint": identity.fingerprint,
+        "status": PROCESSING,
+        "owner_token": owner_token,
+        "lease_expires_at": lease_expires_at,
+        "method": identity.method,
+        "path": identity.path,
+        # A PROCESSING record outlives its lease by the TTL, so the sweep eventually removes a
+        # key whose client never came back.
+        "expires_at": lease_expires_at + timedelta(seconds=conf.TTL_SECONDS),
+    }
+    lease = Lease(identity, owner_token, lease_expires_at, attempt=1, using=using)
+    if record is None:
+        try:
+            with _statement_savepoint(using):
+                IdempotencyRecord.objects.using(using).create(
+                    scope=identity.scope, key=identity.key, created_at=now, **values
+                )
+        except IntegrityError:
+            return None  # a concurrent request inserted it first: read it again
+        return Proceed(lease)
+    takeover = verdict is Verdict.TAKE_OVER
+    if takeover:
+        lease = Lease(identity, owner_token, lease_expires_at, record.attempts + 1, using)
+    # Fenced on the record being as we judged it: same owner, and still absent or stale by the
+    # same rules, so a request that completed or took it over meanwhile is never overwritten.
+    updated = (
+        IdempotencyRecord.objects.using(using)
+        .filter(pk=record.pk, owner_token=record.owner_token)
+        .filter(stale_q(now, identity.fingerprint) if takeover else expired_q(now))
+        .update(
+            **values,
+            attempts=lease.attempt,
+            created_at=record.created_at if takeover else now,
+            response_status=None,
+            response_headers=[],
+            response_body=None,
+            response_retained=True,
+            completed_at=None,
+        )
+    )
+    return Proceed(lease) if updated == 1 else None
+
+
+def _read_with_time(identity: Identity, using: str) -> tuple[IdempotencyRecord | None, datetime]:
+    """The record, if any, and the database's time, in one statement.
+
+    The record is left-joined to a one-row table, so the time comes back whether or not the
+    key exists. Inside an outer transaction the read locks (``FOR UPDATE``) where the database
+    can: MariaDB's REPEATABLE READ snapshot would otherwise hide a row another request just
+    committed.
+    """
+    connection = connections[using]
+    lock = connection.in_atomic_block and connection.features.has_select_for_update
+    with connection.cursor() as cursor:
+        cursor.execute(_read_with_time_sql(using, lock), [identity.scope, identity.key])
+        now, *columns = cursor.fetchone()
+    now = to_datetime(now)
+    if columns[0] is None:  # no row joined: the primary key is NULL
+        return None, now
+    # A raw cursor skips the conversions the ORM would apply (SQLite's text timestamps, JSON).
+    converted = [
+        functools.reduce(lambda value, convert: convert(value, column, connection), converters, raw)
+        for raw, (column, converters) in zip(columns, _converters(using), strict=True)
+    ]
+    record = IdempotencyRecord.from_db(using, _concrete_names(), converted)
+    return record, now
+
+
+@functools.lru_cache(maxsize=16)
+def _read_with_time_sql(using: str, lock: bool) -> str:
+    quote = connections[using].ops.quote_name
+    columns = ", ".join(f"record.{quote(_column(name))}" for name in _concrete_names())
+    return (
+        f"SELECT {dialect(using).NOW}, {columns} FROM (SELECT 1 AS one) AS one "
+        f"LEFT JOIN {quote(IdempotencyRecord._meta.db_table)} AS record "
+        f"ON record.{quote(_column('scope'))} = %s AND record.{quote(_column('key'))} = %s"
+        + (" FOR UPDATE" if lock else "")
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _converters(using: str) -> list[tuple[Any, list[Any]]]:
+    """Per column, the ORM's converters for values read on this connection."""
+    connection = connections[using]
+    table = IdempotencyRecord._meta.db_table
+    result = []
+    for field in IdempotencyRecord._meta.concrete_fields:
+        column = field.get_col(table)
+        converters = connection.ops.get_db_converters(column) + column.get_db_converters(connection)
+        result.append((column, converters))
+    return result
+
+
+@functools.cache
+def _concrete_names() -> tuple[str, ...]:
+    return tuple(field.attname for field in IdempotencyRecord._meta.concrete_fields)
+
+
+@contextmanager
+def _statement_savepoint(using: str) -> Iterator[None]:
+    """A savepoint only when a transaction is open; in autocommit the statement is atomic."""
+    if connections[using].in_atomic_block:
+        with transaction.atomic(using=using):
+            yield
+    else:
+        yield
+
+
+def _claim_postgresql(identity: Identity, using: str, owner_token: uuid.UUID) -> Decision | None:
+    """One statement (``db/postgresql.py``): claimed, or the row and the time to judge it by."""
+    connection = connections[using]
+    values: dict[str, Any] = {
+        "scope": identity.scope,
+        "key": identity.key,
+        "fingerprint": identity.fingerprint,
+        "status": PROCESSING,
+        "owner_token": owner_token,
+        "method": identity.method,
+        "path": identity.path,
+        "attempts": 1,
+        "response_status": None,
+        "response_headers": [],
+        "response_body": None,
+        "response_retained": True,
+        "completed_at": None,
+    }
+    params = [_field(name).get_db_prep_save(value, connection) for name, value in values.items()]
+    # The times: created_at is the statement's own; then the lease and the record's expiry.
+    params += [conf.LEASE_SECONDS, conf.LEASE_SECONDS + conf.TTL_SECONDS]
+    params += [identity.scope, identity.key]
+    # A plain cursor rather than .raw(): this runs on every write request, and building the row
+    # by hand costs a fraction of RawQuerySet's column resolution.
+    with connection.cursor() as cursor:
+        cursor.execute(_postgresql_claim_text(using), params)
+        row = cursor.fetchone()
+        names = [column.name for column in cursor.description or ()]
+    if row is None:
+        return None
+    *columns, claimed, now = row
+    record = IdempotencyRecord.from_db(using, names[:-2], columns)
+    if claimed:
+        assert record.lease_expires_at is not None  # a claimed record always has a lease
+        lease = Lease(identity, owner_token, record.lease_expires_at, record.attempts, using)
+        return Proceed(lease)
+    decision = _decision(record, identity, now)
+    # A verdict to claim means the row changed after this statement's snapshot: look again.
+    return None if isinstance(decision, Verdict) else decision
+
+
+#: Inserted columns in the order their parameters are sent; times come last (see
+#: ``db.postgresql.claim_statement``).
+_CLAIM_COLUMNS = (
+    "scope", "key", "fingerprint", "status", "owner_token", "method", "path", "attempts",
+    "response_status", "response_headers", "response_body", "response_retained",
+    "completed_at", "created_at", "lease_expires_at", "expires_at",
+)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _postgresql_claim_text(using: str) -> str:
+    """The claim statement; its text depends only on the connection, so it is built once."""
+    quote = connections[using].ops.quote_name
+    return pg.claim_statement(
+        quote(IdempotencyRecord._meta.db_table), lambda name: quote(_column(name)), _CLAIM_COLUMNS
+    )
+
+
+def _field(name: str) -> Field[Any, Any]:
+    return cast("Field[Any, Any]", IdempotencyRecord._meta.get_field(name))
+
+
+def _column(name: str) -> str:
+    return str(_field(name).column)
+
+
+# --- complete, extend, release -----------------------------------------------------------------
+
+
+def complete(lease: Lease, stored: StoredResponse) -> bool:
+    """Store the response, inside the business transaction, if this request still owns the key.
+
+    False when another request took the key over: the caller must roll back.
+    """
+    values = {
+        "status": COMPLETED,
+        "response_status": stored.status,
+        "response_headers": [[name, value] for name, value in stored.headers],
+        "response_body": stored.body,
+        "response_retained": stored.retained,
+    }
+    return _update_owned(lease, values, completed=True) == 1
+
+
+def extend(lease: Lease) -> bool:
+    """Push the lease forward by ``LEASE_SECONDS`` (database time). False once it is not ours."""
+    return _update_owned(lease, {}, completed=False) == 1
+
+
+def release(lease: Lease) -> bool:
+    """Delete the record if this request still owns it (PROCESSING, our owner token).
+
+    Database errors propagate; the caller decides whether a failed release matters.
+    """
+    deleted, _ = (
+        IdempotencyRecord.objects.using(lease.using)
+        .for_key(lease.identity.scope, lease.identity.key)
+        .filter(owner_token=lease.owner_token, status=PROCESSING)
+        .delete()
+    )
+    return bool(deleted)
+
+
+def _update_owned(lease: Lease, values: dict[str, Any], *, completed: bool) -> int:
+    """``UPDATE`` the record if this request still owns it (PROCESSING, our owner token).
+
+    One hand-built statement, cached per connection: it runs on every request, and the ORM's
+    ``update()`` spends most of its time compiling the same query again.
+    """
+    connection = connections[lease.using]
+    params = [_field(name).get_db_prep_save(value, connection) for name, value in values.items()]
+    _, later = dialect(lease.using).now_plus(conf.TTL_SECONDS if completed else conf.LEASE_SECONDS)
+    params += later
+    params += [
+        lease.identity.scope,
+        lease.identity.key,
+        _field("owner_token").get_db_prep_save(lease.owner_token, connection),
+        PROCESSING,
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(_update_owned_sql(lease.using, tuple(values), completed), params)
+        return int(cursor.rowcount)
+
+
+@functools.lru_cache(maxsize=32)
+def _update_owned_sql(using: str, names: tuple[str, ...], completed: bool) -> str:
+    sql_dialect = dialect(using)
+    quote = connections[using].ops.quote_name
+
+    def column(name: str) -> str:
+        return quote(_column(name))
+
+    assignments = [f"{column(name)} = %s" for name in names]
+    later, _ = sql_dialect.now_plus(0)
+    if completed:
+        # Completed now, by the database's clock; kept TTL from now; no lease any more.
+        assignments += [
+            f"{column('completed_at')} = {sql_dialect.NOW}",
+            f"{column('expires_at')} = {later}",
+            f"{column('lease_expires_at')} = NULL",
+        ]
+    else:
+        assignments.append(f"{column('lease_expires_at')} = {later}")
+    return (
+        f"UPDATE {quote(IdempotencyRecord._meta.db_table)} SET {', '.join(assignments)} "
+        f"WHERE {column('scope')} = %s AND {column('key')} = %s "
+        f"AND {column('owner_token')} = %s AND {column('status')} = %s"
+    )
