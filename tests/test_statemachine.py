@@ -1,0 +1,175 @@
+"""The rules of ``core/statemachine.py``, exhaustively, and every other place that states them
+(the querysets' filters, the record store's claim on each backend, the PostgreSQL statement)
+held equal to them with hypothesis."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.conf import settings
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from django_idempotency.core.statemachine import (
+    COMPLETED,
+    PROCESSING,
+    RecordState,
+    Verdict,
+    is_expired,
+    judge,
+    lease_running,
+    seconds_left,
+)
+from django_idempotency.core.types import Conflict, Mismatch, Proceed, Replay
+from django_idempotency.db import database_now
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.querysets import expired_q, lease_expired_q, lease_running_q, stale_q
+from django_idempotency.request import store
+from tests.factories import identity
+
+NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
+MINE, OTHER = "f" * 64, "e" * 64
+
+#: Offsets from "now", in seconds, kept away from 0 so a statement's own clock, read a few
+#: milliseconds after the test's, can never land on the other side of a boundary.
+offsets = st.sampled_from([-90_000, -100, -31, -2, 2, 31, 100, 90_000])
+
+
+@st.composite
+def records(draw: st.DrawFn, now: datetime = NOW) -> RecordState:
+    status = draw(st.sampled_from([PROCESSING, COMPLETED]))
+    lease = None if status == COMPLETED else now + timedelta(seconds=draw(offsets))
+    return RecordState(
+        status=status,
+        fingerprint=draw(st.sampled_from([MINE, OTHER])),
+        lease_expires_at=lease,
+        expires_at=now + timedelta(seconds=draw(offsets)),
+    )
+
+
+# --- the rules themselves -------------------------------------------------------------------------
+
+
+def test_every_combination_has_the_designed_verdict():
+    """DESIGN.md's table, row by row, over every status, lease, expiry and fingerprint."""
+    past, future = NOW - timedelta(seconds=5), NOW + timedelta(seconds=5)
+    for status, lease, expiry, fingerprint in itertools.product(
+        [PROCESSING, COMPLETED], [None, past, future], [past, future], [MINE, OTHER]
+    ):
+        if status == COMPLETED and lease is not None:
+            continue  # a completed record has no lease
+        record = RecordState(status, fingerprint, lease, expiry)
+        running = status == PROCESSING and lease == future
+        if expiry == past and not running:
+            expected = Verdict.CLAIM  # absent: even another request may use the key
+        elif fingerprint != MINE:
+            expected = Verdict.MISMATCH
+        elif status == COMPLETED:
+            expected = Verdict.REPLAY
+        elif running:
+            expected = Verdict.CONFLICT
+        else:
+            expected = Verdict.TAKE_OVER
+        assert judge(record, MINE, NOW) is expected, record
+    assert judge(None, MINE, NOW) is Verdict.CLAIM
+
+
+@given(record=records())
+def test_a_running_lease_is_never_expired_nor_taken_over(record: RecordState):
+    if lease_running(record.status, record.lease_expires_at, NOW):
+        assert not is_expired(record, NOW)
+        assert judge(record, record.fingerprint, NOW) is Verdict.CONFLICT
+
+
+@given(seconds=st.floats(min_value=-1e6, max_value=1e6, allow_nan=False))
+def test_retry_after_is_whole_seconds_and_at_least_one(seconds: float):
+    left = seconds_left(NOW + timedelta(seconds=seconds), NOW)
+    assert left >= 1 and (seconds <= 0 or left >= seconds)
+    assert seconds_left(None, NOW) == 1
+
+
+# --- the filters state the same rules ---------------------------------------------------------
+
+
+@pytest.mark.django_db
+@hypothesis_settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(records(), min_size=1, max_size=8))
+def test_the_querysets_select_what_the_rules_say(rows: list[RecordState]):
+    IdempotencyRecord.objects.all().delete()
+    stored = {}
+    for record in rows:
+        row = IdempotencyRecord.objects.create(
+            scope="s", key=str(uuid.uuid4()), fingerprint=record.fingerprint,
+            status=record.status, owner_token=uuid.uuid4(),
+            lease_expires_at=record.lease_expires_at, method="POST", path="/",
+            created_at=NOW, expires_at=record.expires_at,
+        )  # fmt: skip
+        stored[row.pk] = record
+    records_ = IdempotencyRecord.objects.all()
+
+    def selected(q) -> set[int]:
+        return set(records_.filter(q).values_list("pk", flat=True))
+
+    def by_rule(rule) -> set[int]:
+        return {pk for pk, record in stored.items() if rule(record)}
+
+    assert selected(expired_q(NOW)) == by_rule(lambda r: is_expired(r, NOW))
+    assert selected(lease_running_q(NOW)) == by_rule(
+        lambda r: lease_running(r.status, r.lease_expires_at, NOW)
+    )
+    assert selected(lease_expired_q(NOW)) == by_rule(
+        lambda r: r.status == PROCESSING and not lease_running(r.status, r.lease_expires_at, NOW)
+    )
+    assert selected(stale_q(NOW, MINE) & ~expired_q(NOW)) == by_rule(
+        lambda r: judge(r, MINE, NOW) is Verdict.TAKE_OVER
+    )
+
+
+# --- the store's claim, on every backend and both PostgreSQL paths ----------------------------
+
+ON_POSTGRESQL = settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
+
+
+@pytest.fixture(params=["native", "portable"] if ON_POSTGRESQL else ["native"])
+def claim_path(request, monkeypatch):
+    if request.param == "portable":
+        monkeypatch.setattr(store, "_claim_postgresql", store._claim_portable)
+    return request.param
+
+
+@pytest.mark.django_db(transaction=True)
+@hypothesis_settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_a_claim_decides_what_the_rules_say(claim_path, data):
+    """Whatever record a claim finds, its decision is the state machine's verdict, judged by
+    the database's own clock; the PostgreSQL statement included."""
+    now = database_now("default")
+    record = data.draw(records(now))
+    ident = identity(fingerprint=MINE)
+    IdempotencyRecord.objects.create(
+        scope=ident.scope, key=ident.key, fingerprint=record.fingerprint, status=record.status,
+        owner_token=uuid.uuid4(), lease_expires_at=record.lease_expires_at, method="POST",
+        path="/", created_at=now, expires_at=record.expires_at, attempts=3,
+        response_status=201 if record.status == COMPLETED else None,
+        response_body=b"stored" if record.status == COMPLETED else None,
+    )  # fmt: skip
+    verdict = judge(record, MINE, now)
+    decision = store.claim(ident, uuid.uuid4())
+    expected = {
+        Verdict.CLAIM: Proceed,
+        Verdict.TAKE_OVER: Proceed,
+        Verdict.REPLAY: Replay,
+        Verdict.CONFLICT: Conflict,
+        Verdict.MISMATCH: Mismatch,
+    }[verdict]
+    assert isinstance(decision, expected), (record, verdict, decision)
+    if isinstance(decision, Proceed):
+        assert decision.lease.attempt == (4 if verdict is Verdict.TAKE_OVER else 1)
+    if isinstance(decision, Replay):
+        assert decision.response.body == b"stored"
