@@ -55,6 +55,31 @@ class Server:
 def gunicorn(workers: int = 1, **env: str) -> Iterator[Server]:
     """gunicorn on the database the current test uses; killed on exit, whatever happened."""
     port = free_port()
+    command = [
+        "gunicorn", "tests.wsgi:application", "--bind", f"127.0.0.1:{port}",
+        "--workers", str(workers), "--timeout", "120", "--graceful-timeout", "1",
+        "--log-level", "warning",
+    ]  # fmt: skip
+    with _serve(command, port, env, workers=True) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def uvicorn(**env: str) -> Iterator[Server]:
+    """uvicorn (ASGI) on the database the current test uses; killed on exit."""
+    port = free_port()
+    command = [
+        "uvicorn", "tests.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+        "--log-level", "warning", "--no-access-log",
+    ]  # fmt: skip
+    with _serve(command, port, env, workers=False) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def _serve(
+    command: list[str], port: int, env: dict[str, str], *, workers: bool
+) -> Iterator[Server]:
     environment = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "tests.settings",
@@ -63,14 +88,11 @@ def gunicorn(workers: int = 1, **env: str) -> Iterator[Server]:
         **env,
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "tests.wsgi:application", "--bind",
-         f"127.0.0.1:{port}", "--workers", str(workers), "--timeout", "120",
-         "--graceful-timeout", "1", "--log-level", "warning"],
-        cwd=ROOT, env=environment, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, "-m", *command], cwd=ROOT, env=environment, start_new_session=True
+    )
     server = Server(port, process)
     try:
-        _wait_until_listening(server)
+        _wait_until_listening(server, command[0], workers=workers)
         yield server
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -78,13 +100,15 @@ def gunicorn(workers: int = 1, **env: str) -> Iterator[Server]:
         process.wait(10)
 
 
-def _wait_until_listening(server: Server, deadline: float = 60) -> None:
+def _wait_until_listening(
+    server: Server, name: str, *, workers: bool, deadline: float = 60
+) -> None:
     end = time.monotonic() + deadline
     while time.monotonic() < end:
         if server.process.poll() is not None:
-            raise RuntimeError(f"gunicorn exited with {server.process.returncode}")
+            raise RuntimeError(f"{name} exited with {server.process.returncode}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", server.port), 1):
-            if server.worker_pids():
+            if not workers or server.worker_pids():
                 return
         time.sleep(0.1)
-    raise RuntimeError("gunicorn did not start listening")
+    raise RuntimeError(f"{name} did not start listening")

@@ -231,7 +231,14 @@ def test_unseen_credentials_can_be_refused(http, door, key, token_users, idempot
 # --- refusals before the view are never stored (issue: hardening) ---------------------------------
 
 
-def test_a_csrf_failure_is_not_stored(key):
+def test_a_csrf_failure_is_not_stored(key, settings):
+    # CSRF checks before the idempotency middleware, as the docs ask.
+    position = settings.MIDDLEWARE.index("django_idempotency.middleware.IdempotencyMiddleware")
+    settings.MIDDLEWARE = [
+        *settings.MIDDLEWARE[:position],
+        "django.middleware.csrf.CsrfViewMiddleware",
+        *settings.MIDDLEWARE[position:],
+    ]
     strict = Client(enforce_csrf_checks=True)
     refused = send(strict, "middleware", key)
     assert refused.status_code == 403

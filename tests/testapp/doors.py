@@ -17,13 +17,16 @@ middleware (sync, async, and a DRF view without the mixin), ``@idempotent`` (syn
     any of the above on the first attempt of a key, ``write`` on later ones (counted per key).
 ``validate``
     DRF doors: raise a ValidationError (400) after writing; others answer 400 themselves.
-``who``
-    create a widget and answer who the view saw (the user, or the Authorization header's owner).
+``hold_file`` (with any mode)
+    after writing, wait while that file exists (at most a minute): a request held in flight
+    across processes until the test deletes the file.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections import Counter
 from typing import Any
 
@@ -53,6 +56,10 @@ def behave(request: Any, data: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     user = getattr(request, "user", None)
     who = str(user.pk) if user is not None and user.is_authenticated else "anonymous"
     widget = Widget.objects.create(name=str(data.get("name", "door")), created_by=who)
+    if data.get("hold_file"):
+        deadline = time.monotonic() + 60
+        while os.path.exists(data["hold_file"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
     if mode == "raise":
         raise RuntimeError("the view failed after writing")
     if mode == "rollback":
