@@ -1,15 +1,22 @@
 from __future__ import annotations
 
+import pytest
+from django.core.exceptions import RequestDataTooBig
 from django.core.files.uploadedfile import SimpleUploadedFile
-from django.test import RequestFactory
+from django.core.handlers.wsgi import WSGIRequest
+from django.http import HttpResponse
+from django.test import RequestFactory, override_settings
 
 from django_idempotency.request.fingerprint import (
     canonical_path,
+    hand_over_cleanup,
     recorded_path,
     request_fingerprint,
 )
+from tests.streams import Firehose
 
 factory = RequestFactory()
+HUGE = 200 * 1024 * 1024
 
 
 def json_fp(body: bytes, path: str = "/p/") -> str:
@@ -103,3 +110,126 @@ def test_recorded_path_percent_encodes_control_characters():
     request = factory.post("/p/a\x00b\x1b\x7f/?q=%00")
     assert recorded_path(request) == "/p/a%00b%1B%7F/?q=%00"
     assert request_fingerprint(request) != request_fingerprint(factory.post("/p/a%00b%1B%7F/"))
+
+
+# --- bytes read: never more than Django itself would read -----------------------------------------
+
+
+def streamed(
+    body: Firehose,
+    content_length: int | None,
+    content_type: str = "application/octet-stream",
+    *,
+    cut_at_content_length: bool = True,
+) -> WSGIRequest:
+    """A POST whose body is ``body``. Under WSGI Django cuts the stream at Content-Length; other
+    servers may hand Django a stream that runs on (``cut_at_content_length=False``)."""
+    environ = {
+        "REQUEST_METHOD": "POST",
+        "PATH_INFO": "/p/",
+        "SERVER_NAME": "testserver",
+        "SERVER_PORT": "80",
+        "CONTENT_TYPE": content_type,
+        "wsgi.url_scheme": "http",
+        "wsgi.input": body,
+    }
+    if content_length is not None:
+        environ["CONTENT_LENGTH"] = str(content_length)
+    request = WSGIRequest(environ)
+    if not cut_at_content_length:
+        request._stream = body
+    return request
+
+
+def read_back(request: WSGIRequest) -> bytes:
+    """What the view reads after the fingerprint, then what the server closes with it."""
+    body = request.read()
+    hand_over_cleanup(request, HttpResponse()).close()
+    return body
+
+
+@override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=1000)
+@pytest.mark.parametrize(
+    "content_type", ["application/octet-stream", "application/json", "text/plain; charset=utf-8",
+                     "application/x-www-form-urlencoded"],
+)  # fmt: skip
+@pytest.mark.parametrize("content_length", [HUGE, 1001])
+def test_a_body_over_djangos_limit_is_refused_unread(content_type, content_length):
+    body = Firehose(content_length)
+    with pytest.raises(RequestDataTooBig):
+        request_fingerprint(streamed(body, content_length, content_type))
+    assert body.taken == 0
+
+
+@override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=1000)
+def test_a_content_length_that_overstates_the_body_is_refused_unread():
+    body = Firehose(10)
+    with pytest.raises(RequestDataTooBig):
+        request_fingerprint(streamed(body, HUGE))
+    assert body.taken == 0
+
+
+@override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=1000)
+def test_a_content_length_that_understates_the_body_is_read_no_further_than_django_reads():
+    cut = Firehose(HUGE)
+    request = streamed(cut, 10)
+    fingerprint = request_fingerprint(request)
+    assert cut.taken == 10
+    assert read_back(request) == b"x" * 10  # the view reads what was hashed
+    assert fingerprint == request_fingerprint(streamed(Firehose(10), 10))
+    running_on = Firehose(HUGE)
+    with pytest.raises(RequestDataTooBig):
+        request_fingerprint(streamed(running_on, 10, cut_at_content_length=False))
+    assert running_on.taken == 1001  # Django reads one byte past its limit, to see it is over
+
+
+def streamed_fingerprint(body: Firehose, **kwargs: int | None) -> str:
+    """The fingerprint of ``body`` sent with an honest Content-Length; spool closed after."""
+    request = streamed(body, body.size)
+    fingerprint = request_fingerprint(request, **kwargs)
+    hand_over_cleanup(request, HttpResponse()).close()
+    return fingerprint
+
+
+@override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=1000, FILE_UPLOAD_MAX_MEMORY_SIZE=1000)
+def test_a_caller_whose_view_streams_the_body_lifts_the_bound():
+    size = 5_000_000
+    request = streamed(Firehose(size), size)
+    fingerprint = request_fingerprint(request, max_body=None)
+    assert read_back(request) == b"x" * size  # handed back, spooled, from its first byte
+    assert fingerprint == streamed_fingerprint(Firehose(size), max_body=size)
+    assert fingerprint != streamed_fingerprint(Firehose(size, b"y"), max_body=None)
+    with override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=None):
+        # Read in memory or streamed, the same bytes are the same request.
+        assert fingerprint == streamed_fingerprint(Firehose(size))
+
+
+@override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=1000)
+def test_max_body_bounds_a_streamed_body_whatever_its_content_length_says():
+    honest = Firehose(20_000)
+    with pytest.raises(RequestDataTooBig):
+        request_fingerprint(streamed(honest, 20_000), max_body=10_000)
+    assert honest.taken == 0
+    lying = Firehose(HUGE)
+    with pytest.raises(RequestDataTooBig):
+        request_fingerprint(streamed(lying, 5000, cut_at_content_length=False), max_body=10_000)
+    assert lying.taken == 10_001
+
+
+def test_max_body_below_djangos_limit_is_honoured():
+    request = factory.post("/p/", b"[" + b"1," * 1000 + b"1]", content_type="application/json")
+    with pytest.raises(RequestDataTooBig):
+        request_fingerprint(request, max_body=1000)
+    assert request_fingerprint(request, max_body=None)
+
+
+@override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=1000, FILE_UPLOAD_MAX_MEMORY_SIZE=1000)
+def test_multipart_streams_files_past_the_limit_but_not_fields():
+    """Django's multipart parser counts fields, not files, against DATA_UPLOAD_MAX_MEMORY_SIZE."""
+    upload = factory.post("/p/", {"name": "x", "doc": SimpleUploadedFile("d", b"z" * 50_000)})
+    assert request_fingerprint(upload)
+    with upload.FILES["doc"] as doc:
+        assert doc.read() == b"z" * 50_000
+    fields = factory.post("/p/", {"name": "x" * 5000})
+    with pytest.raises(RequestDataTooBig):
+        request_fingerprint(fields)

@@ -4,19 +4,26 @@ A retry must carry the same request; formatting is not part of "the same". JSON 
 with sorted keys and no insignificant whitespace, form fields are sorted, multipart uploads are
 hashed file by file as they stream, anything else is hashed as raw bytes. The body itself is
 never stored.
+
+Fingerprinting reads no more of a body than Django itself would: a body that is not multipart
+is read through ``request.body``, under ``DATA_UPLOAD_MAX_MEMORY_SIZE``, unless the caller
+allows a larger one (``max_body``) for a view that reads its stream itself; multipart is parsed
+by Django's own parser under its own limits.
 """
 
 from __future__ import annotations
 
 import codecs
+import enum
 import hashlib
 import json
 import re
 from tempfile import SpooledTemporaryFile
-from typing import Any
+from typing import Any, Final, Literal
 from urllib.parse import parse_qsl, urlencode
 
 from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponseBase, QueryDict
 from django.http.multipartparser import MultiPartParser, MultiPartParserError
 from django.utils.datastructures import MultiValueDict
@@ -27,6 +34,15 @@ _CHUNK = 64 * 1024
 #: refuses the error handler or any input (``idna``, ``undefined``).
 _CHARSET_ERRORS = (LookupError, UnicodeError)
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class _BodyLimit(enum.Enum):
+    DJANGO = "DATA_UPLOAD_MAX_MEMORY_SIZE"
+
+
+#: ``max_body``'s default: the bound Django itself puts on ``request.body``, read live from
+#: ``settings.DATA_UPLOAD_MAX_MEMORY_SIZE``.
+DJANGO_LIMIT: Final = _BodyLimit.DJANGO
 
 
 def canonical_path(request: HttpRequest) -> str:
@@ -48,8 +64,19 @@ def recorded_path(request: HttpRequest) -> str:
     return _CONTROL_CHARS.sub(lambda char: f"%{ord(char.group()):02X}", canonical_path(request))
 
 
-def request_fingerprint(request: HttpRequest) -> str:
-    """Hex SHA-256 identifying what the request asks for, independent of body formatting."""
+def request_fingerprint(
+    request: HttpRequest, *, max_body: int | None | Literal[_BodyLimit.DJANGO] = DJANGO_LIMIT
+) -> str:
+    """Hex SHA-256 identifying what the request asks for, independent of body formatting.
+
+    ``max_body`` is the largest body, in bytes, that is not multipart the fingerprint reads; a
+    larger one raises ``RequestDataTooBig``, which Django answers with a 400: unread when its
+    Content-Length says so, else read no further than Django itself would. By default it is
+    Django's own bound on ``request.body``, so a guarded request costs no more than a view
+    reading ``request.body``. A view that reads large raw bodies from the stream itself passes a
+    larger bound, or None for none: a body above ``DATA_UPLOAD_MAX_MEMORY_SIZE`` is then hashed
+    as raw bytes as it streams, and handed back to the view spooled.
+    """
     digest = hashlib.sha256()
     digest.update(f"{request.method}\n{canonical_path(request)}\n".encode())
     content_type = request.content_type or ""
@@ -59,15 +86,31 @@ def request_fingerprint(request: HttpRequest) -> str:
         content_type = ""
     if content_type == "multipart/form-data":
         _hash_multipart(request, digest)
-    elif content_type == "application/x-www-form-urlencoded" and _fits_in_memory(request):
-        digest.update(_canonical_form(request))
-    elif _is_json(content_type) and _fits_in_memory(request):
-        digest.update(_canonical_json(request.body))
-    elif _fits_in_memory(request):
-        digest.update(b"raw\n" + request.body)
+        return digest.hexdigest()
+    bound = settings.DATA_UPLOAD_MAX_MEMORY_SIZE if max_body is DJANGO_LIMIT else max_body
+    if not hasattr(request, "_body"):
+        _refuse_above(bound, _content_length(request))
+    if not _fits_in_memory(request):
+        _hash_raw_stream(request, digest, bound)
+        return digest.hexdigest()
+    # Django's own read: it stops past its limit whatever Content-Length claimed, and raises.
+    body = request.body
+    _refuse_above(bound, len(body))
+    if content_type == "application/x-www-form-urlencoded":
+        digest.update(_canonical_form(body, request.encoding))
+    elif _is_json(content_type):
+        digest.update(_canonical_json(body))
     else:
-        _hash_raw_stream(request, digest)
+        digest.update(b"raw\n" + body)
     return digest.hexdigest()
+
+
+def _refuse_above(bound: int | None, size: int) -> None:
+    if bound is not None and size > bound:
+        raise RequestDataTooBig(
+            f"Request body exceeded the {bound} bytes an idempotency fingerprint reads "
+            "(settings.DATA_UPLOAD_MAX_MEMORY_SIZE, or the max_body its caller allowed)."
+        )
 
 
 def _charset_decodes(encoding: str | None) -> bool:
@@ -82,11 +125,11 @@ def _charset_decodes(encoding: str | None) -> bool:
     return codecs.lookup(encoding)._is_text_encoding
 
 
-def _canonical_form(request: HttpRequest) -> bytes:
+def _canonical_form(body: bytes, encoding: str | None) -> bytes:
     try:
-        fields = QueryDict(request.body, encoding=request.encoding)
+        fields = QueryDict(body, encoding=encoding)
     except _CHARSET_ERRORS:
-        return b"raw\n" + request.body
+        return b"raw\n" + body
     return b"form\n" + _canonical_fields(fields)
 
 
@@ -158,18 +201,26 @@ def _hash_multipart(request: HttpRequest, digest: Any) -> None:
             digest.update(file_digest.digest())
 
 
-def _hash_raw_stream(request: HttpRequest, digest: Any) -> None:
+def _hash_raw_stream(request: HttpRequest, digest: Any, bound: int | None) -> None:
     """Hash a large body in chunks and put it back, spooled, for the view to read.
 
-    ``request.body`` would refuse it (DATA_UPLOAD_MAX_MEMORY_SIZE) where a view that streams
-    the request would not, so the body is read as a stream and handed back as a file.
+    Only for a caller that allowed a body above DATA_UPLOAD_MAX_MEMORY_SIZE (``max_body``):
+    ``request.body`` would refuse it where a view that streams the request would not, so the
+    body is read as a stream, never past ``bound``, and handed back as a file.
     """
     # The spool outlives this function: the request owns it and closes it with its stream.
     spool = SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE)  # noqa: SIM115
     digest.update(b"raw\n")
-    while chunk := request.read(_CHUNK):
-        digest.update(chunk)
-        spool.write(chunk)
+    size = 0
+    try:
+        while chunk := request.read(_CHUNK if bound is None else min(_CHUNK, bound + 1 - size)):
+            size += len(chunk)
+            _refuse_above(bound, size)
+            digest.update(chunk)
+            spool.write(chunk)
+    except BaseException:
+        spool.close()
+        raise
     spool.seek(0)
     request._idempotency_cleanup = [spool.close]  # type: ignore[attr-defined]
     # HttpRequest reads from ``_stream``; resetting ``_read_started`` lets the view (or DRF)
