@@ -1,11 +1,18 @@
 from __future__ import annotations
 
+import json
+import tracemalloc
+from decimal import Decimal
+from typing import Any
+
 import pytest
 from django.core.exceptions import RequestDataTooBig
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.handlers.wsgi import WSGIRequest
 from django.http import HttpResponse
 from django.test import RequestFactory, override_settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from django_idempotency.request.fingerprint import (
     canonical_path,
@@ -233,3 +240,153 @@ def test_multipart_streams_files_past_the_limit_but_not_fields():
     fields = factory.post("/p/", {"name": "x" * 5000})
     with pytest.raises(RequestDataTooBig):
         request_fingerprint(fields)
+
+
+# --- numbers: exact decimal values, never floats ------------------------------------------------
+
+#: Reproducible and quick: no example database, no deadline on a shared machine.
+properties = settings(max_examples=300, deadline=None, database=None, derandomize=True)
+
+
+def test_numbers_that_one_float_would_hold_are_different_requests():
+    assert json_fp(b"[12345678901234567.89]") != json_fp(b"[12345678901234568.00]")
+    assert json_fp(b"[0.1]") != json_fp(b"[0.10000000000000000001]")
+    assert json_fp(b"[9007199254740993]") != json_fp(b"[9007199254740992.0]")
+    assert json_fp(b"[1e400]") != json_fp(b"[1e401]")  # both infinite as floats
+
+
+def test_numerically_equal_numbers_are_one_request():
+    same = [b"1", b"1.0", b"1.00", b"1e0", b"1E+0", b"10e-1", b"0.1e1", b"100E-2", b"1e000"]
+    assert len({json_fp(b"[%s]" % number) for number in same}) == 1
+    zeros = [b"0", b"-0", b"0.0", b"-0.0", b"0e5", b"-0E-9"]
+    assert len({json_fp(b"[%s]" % number) for number in zeros}) == 1
+    assert json_fp(b"[0.05]") == json_fp(b"[5e-2]") == json_fp(b"[0.0500]")
+    assert json_fp(b"[-12.5]") == json_fp(b"[-1.25e1]") != json_fp(b"[12.5]")
+
+
+def test_numbers_are_never_strings_and_literals_stay_as_written():
+    assert json_fp(b"[1.5]") != json_fp(b'["1.5"]')
+    assert json_fp(b"[1]") != json_fp(b'["1"]')
+    assert json_fp(b"[NaN]") == json_fp(b"[ NaN ]")
+    literals = [b"NaN", b"Infinity", b"-Infinity", b'"NaN"', b"null", b"1e999999999"]
+    assert len({json_fp(b"[%s]" % literal) for literal in literals}) == len(literals)
+
+
+def test_huge_exponents_are_never_expanded():
+    spellings = [b"1e999999999", b"10E+999999998", b"1.0e999999999", b"0.1e1000000000"]
+    tracemalloc.start()
+    try:
+        fingerprints = {json_fp(b'{"x": %s}' % number) for number in spellings}
+        json_fp(b"[1e-999999999, -2.5e99999999999999999999, 1e99999999999999999999999]")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000  # 10**999999999 alone would take 415 MB
+    assert len(fingerprints) == 1
+    assert json_fp(b"[1e999999999]") != json_fp(b"[1e999999998]")
+    assert json_fp(b"[1e-999999999]") != json_fp(b"[-1e-999999999]")
+
+
+def test_long_numbers_compare_exactly_on_both_sides_of_the_written_out_limit():
+    """Up to 4300 digits before or after the point a number is written out, beyond it as
+    ``<digits>e<exponent>``: either way each value has one form."""
+    for places in (4299, 4300, 4301):
+        written_out = b"0." + b"0" * (places - 1) + b"1"
+        assert json_fp(b"[%s]" % written_out) == json_fp(b"[1e-%d]" % places), places
+        assert json_fp(b"[%s]" % written_out) != json_fp(b"[1e-%d]" % (places + 1)), places
+    for digits in (4300, 4301):
+        integral = b"1" + b"0" * (digits - 1) + b".0"
+        assert json_fp(b"[%s]" % integral) == json_fp(b"[1e%d]" % (digits - 1)), digits
+    assert json_fp(b"[1" + b"0" * 4299 + b"]") == json_fp(b"[1e4299]")
+
+
+def test_numbers_python_will_not_read_fall_back_to_raw_bytes():
+    """Integers (or exponents) of over 4300 digits: the exact bytes are the request."""
+    for huge in (b"[" + b"9" * 5000 + b"]", b"[1e" + b"9" * 5000 + b"]"):
+        assert json_fp(huge) == json_fp(huge)
+        assert json_fp(huge) != json_fp(huge.replace(b"[", b"[ "))
+
+
+def spellings_of(value: Decimal) -> st.SearchStrategy[str]:
+    """JSON texts for ``value``: trailing zeros, any exponent, either case, signs and padding."""
+    sign, digits, exponent = value.as_tuple()
+    assert isinstance(exponent, int)
+    minus = "-" if sign else ""
+
+    @st.composite
+    def spelling(draw: Any) -> str:
+        padding = draw(st.integers(0, 3))
+        coefficient = "".join(map(str, digits)).lstrip("0") + "0" * padding
+        if not coefficient.strip("0"):
+            zero = draw(st.sampled_from(["0", "0.0", "0e0", "0.000E-7", "0e+12"]))
+            return draw(st.sampled_from(["", "-"])) + zero
+        scale = exponent - padding  # value = coefficient * 10**scale
+        if draw(st.booleans()) and -40 < scale < 40:  # plain decimal notation
+            if scale >= 0:
+                return minus + coefficient + "0" * scale
+            whole, fraction = coefficient[:scale] or "0", coefficient[scale:]
+            return f"{minus}{whole}.{fraction.rjust(-scale, '0')}"
+        point = draw(st.integers(1, len(coefficient)))  # d.ddd e<x>
+        fraction = coefficient[point:]
+        mantissa = coefficient[:point] + (f".{fraction}" if fraction else "")
+        shown = scale + len(coefficient) - point
+        marker = draw(st.sampled_from(["e", "E"]))
+        plus = "+" if shown >= 0 and draw(st.booleans()) else ""
+        return f"{minus}{mantissa}{marker}{plus}{shown:0{draw(st.integers(1, 4))}d}"
+
+    return spelling()
+
+
+decimals = st.decimals(allow_nan=False, allow_infinity=False)
+
+
+@properties
+@given(st.data(), decimals, decimals)
+def test_numbers_are_one_request_exactly_when_they_are_equal(data, a, b):
+    first = data.draw(spellings_of(a))
+    again = data.draw(spellings_of(a))
+    other = data.draw(spellings_of(b))
+    assert Decimal(first) == Decimal(again) == a and Decimal(other) == b  # the test's own check
+    assert json_fp(f"[{first}]".encode()) == json_fp(f"[{again}]".encode()), (first, again)
+    same = json_fp(f"[{first}]".encode()) == json_fp(f"[{other}]".encode())
+    assert same == (a == b), (first, other)
+
+
+documents = st.recursive(
+    st.none() | st.booleans() | decimals | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def formatted(data: Any, value: Any) -> str:
+    """``value`` as JSON with whitespace, key order, string escapes and numbers drawn at random."""
+    space = st.sampled_from(["", " ", "\n", "\t", "\r\n  "])
+
+    def string(text: str) -> str:
+        return json.dumps(text, ensure_ascii=data.draw(st.booleans()))
+
+    if isinstance(value, dict):
+        keys = data.draw(st.permutations(sorted(value)))
+        members = [
+            f"{data.draw(space)}{string(key)}{data.draw(space)}:{formatted(data, value[key])}"
+            for key in keys
+        ]
+        return "{" + ",".join(members) + data.draw(space) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(formatted(data, item) for item in value) + data.draw(space) + "]"
+    if isinstance(value, Decimal):
+        return data.draw(space) + data.draw(spellings_of(value))
+    if isinstance(value, str):
+        return data.draw(space) + string(value)
+    return data.draw(space) + json.dumps(value)
+
+
+@properties
+@given(st.data(), documents)
+def test_formatting_never_changes_the_request(data, document):
+    first = formatted(data, document).encode()
+    second = formatted(data, document).encode()
+    assert json_fp(first) == json_fp(second), (first, second)

@@ -18,6 +18,7 @@ import enum
 import hashlib
 import json
 import re
+import secrets
 from tempfile import SpooledTemporaryFile
 from typing import Any, Final, Literal
 from urllib.parse import parse_qsl, urlencode
@@ -34,6 +35,9 @@ _CHUNK = 64 * 1024
 #: refuses the error handler or any input (``idna``, ``undefined``).
 _CHARSET_ERRORS = (LookupError, UnicodeError)
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+#: The longest number the canonical JSON writes out in full; the most digits Python itself
+#: reads as an integer (``sys.get_int_max_str_digits()`` by default).
+_MAX_DIGITS = 4300
 
 
 class _BodyLimit(enum.Enum):
@@ -151,17 +155,67 @@ def _fits_in_memory(request: HttpRequest) -> bool:
 
 
 def _canonical_json(body: bytes) -> bytes:
+    numbers = _ExactNumbers()
     try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError):
-        # Not JSON after all (or hostile nesting): the raw bytes still identify the request,
-        # and the view answers the client's mistake itself.
-        return b"raw\n" + body
-    try:
+        parsed = json.loads(body, parse_float=numbers.parse, parse_constant=numbers.constant)
         text = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except (ValueError, RecursionError):
+        # Not JSON after all, a number Python will not read (an integer or exponent of over
+        # 4300 digits) or hostile nesting: the raw bytes still identify the request, and the
+        # view answers the client's mistake itself.
         return b"raw\n" + body
-    return b"json\n" + text.encode("utf-8", "surrogatepass")
+    return b"json\n" + numbers.unquote(text).encode("utf-8", "surrogatepass")
+
+
+class _ExactNumbers:
+    """Numbers for the canonical JSON, compared by exact decimal value, never as floats.
+
+    One text per value, so 1, 1.0, 1.00, 10e-1 and 1e0 are one request, and 0.1 and
+    0.10000000000000000001 are two: an integral value is its integer digits, any other its
+    plain decimal without trailing zeros (``0.05``). A value with more than ``_MAX_DIGITS``
+    digits before or after the point is ``<digits>e<exponent>`` instead, so 1e999999999 is
+    never expanded. NaN and (-)Infinity stay as written. Integers written without a fraction
+    or exponent are Python's own, read and written by the json module.
+
+    The stdlib encoder cannot write such text unquoted, so each is handed to it as a string
+    that starts with a random mark, and ``"<mark>`` is dropped from the encoded text. A client
+    cannot send the mark, so no string of its own is ever taken for a number. The closing
+    quote stays: the text is only hashed, and ``1.5"`` still reads one way (no integer, string
+    or literal the encoder writes looks like it).
+    """
+
+    def __init__(self) -> None:
+        self._mark = secrets.token_hex(8)
+
+    def parse(self, text: str) -> int | str:
+        if "e" not in text and "E" not in text and text[-1] != "0" and len(text) <= _MAX_DIGITS:
+            return self._wrap(text)  # a plain decimal without trailing zeros: canonical already
+        mantissa, _, exponent_text = text.lower().partition("e")
+        negative = mantissa.startswith("-")
+        whole, _, fraction = mantissa.lstrip("-").partition(".")
+        digits = (whole + fraction).lstrip("0")
+        significant = digits.rstrip("0")
+        if not significant:
+            return 0
+        exponent = int(exponent_text or 0) - len(fraction) + len(digits) - len(significant)
+        sign = "-" if negative else ""
+        if exponent >= 0 and len(significant) + exponent <= _MAX_DIGITS:
+            return int(f"{sign}{significant}{'0' * exponent}")
+        point = len(significant) + exponent  # digits before the decimal point
+        if point <= _MAX_DIGITS and -exponent <= _MAX_DIGITS:
+            if point > 0:
+                return self._wrap(f"{sign}{significant[:point]}.{significant[point:]}")
+            return self._wrap(f"{sign}0.{'0' * -point}{significant}")
+        return self._wrap(f"{sign}{significant}e{exponent}")
+
+    def constant(self, name: str) -> str:
+        return self._wrap(name)
+
+    def unquote(self, text: str) -> str:
+        return text.replace(f'"{self._mark}', "")
+
+    def _wrap(self, number: str) -> str:
+        return self._mark + number
 
 
 def _canonical_fields(fields: QueryDict | MultiValueDict[str, Any]) -> bytes:
