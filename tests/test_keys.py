@@ -1,4 +1,8 @@
+import hashlib
+import re
+
 import pytest
+from django.test import override_settings
 
 from django_idempotency.exceptions import IdempotencyKeyInvalid
 from django_idempotency.request.keys import parse_key, redact
@@ -34,3 +38,13 @@ def test_redaction_hides_the_key_but_correlates():
     assert redact("secret-key") == redact("secret-key")
     assert "secret" not in redact("secret-key")
     assert redact("a") != redact("b")
+    assert re.fullmatch(r"hmac:[0-9a-f]{12}", redact("order-123"))
+
+
+def test_a_guessed_key_cannot_be_confirmed_without_the_secret_key():
+    """Hashing guesses (``order-1``, ``order-2``, ...) finds nothing: the hash is keyed."""
+    redacted = redact("order-123")
+    for digest in (hashlib.sha256, hashlib.sha1, hashlib.md5, hashlib.blake2b):
+        assert digest(b"order-123").hexdigest()[:12] not in redacted
+    with override_settings(SECRET_KEY="another-secret-key-entirely-for-this-test"):
+        assert redact("order-123") != redacted  # rotating SECRET_KEY rotates it

@@ -1,7 +1,11 @@
+import contextlib
 import json
 import logging
 import random
+import re
+import socket
 import threading
+import traceback
 import uuid
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +27,12 @@ from django_idempotency.publishers.amqp import AMQPPublisher
 from django_idempotency.publishers.celery import CeleryPublisher
 from django_idempotency.publishers.log import LoggingPublisher
 from django_idempotency.publishers.memory import MemoryPublisher
-from django_idempotency.publishers.webhook import WebhookPublisher, sign, verify_signature
+from django_idempotency.publishers.webhook import (
+    WebhookPublisher,
+    redact_url,
+    sign,
+    verify_signature,
+)
 from tests.outbox_support import publish_committed, settings_with
 from tests.proxy import tcp_proxy
 
@@ -176,6 +185,7 @@ class Receiver:
 
     def __init__(self):
         self.requests = []
+        self.paths = []
         self.status = 200
         receiver = self
 
@@ -183,6 +193,7 @@ class Receiver:
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.requests.append((dict(self.headers), body))
+                receiver.paths.append(self.path)
                 self.send_response(receiver.status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -273,6 +284,161 @@ def test_webhook_read_timeout_is_a_publish_error():
         publisher.close()
     finally:
         listener.close()
+
+
+# --- webhook credentials never leak -------------------------------------------------------------
+
+#: What a webhook URL may hold that no error, log line or stored field may show.
+CREDENTIALS = ("hookuser", "s3cret", "XYZ", "abcdef0123456789abcdef")
+WEBHOOK = "django_idempotency.publishers.webhook.WebhookPublisher"
+
+
+def url_with_credentials(origin: str) -> str:
+    scheme, _, host = origin.partition("://")
+    return f"{scheme}://hookuser:s3cret@{host}/hooks/abcdef0123456789abcdef?token=XYZ"
+
+
+def assert_no_credentials(text: str) -> None:
+    for credential in CREDENTIALS:
+        assert credential not in text, text
+
+
+@contextlib.contextmanager
+def failing_receiver(failure: str):
+    """``scheme://127.0.0.1:<port>`` of a receiver that is down, answers 500, never answers, or
+    speaks plain HTTP to a TLS client."""
+    if failure in ("refused", "refused-tls"):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        yield f"{'https' if failure == 'refused-tls' else 'http'}://127.0.0.1:{port}"
+    elif failure in ("silent", "silent-tls"):
+        listener = socket.create_server(("127.0.0.1", 0))  # connects, never answers
+        try:
+            port = listener.getsockname()[1]
+            yield f"{'https' if failure == 'silent-tls' else 'http'}://127.0.0.1:{port}"
+        finally:
+            listener.close()
+    else:
+        server = Receiver()
+        server.status = 500
+        try:
+            port = server.server.server_address[1]
+            yield f"{'https' if failure == 'plain-to-tls' else 'http'}://127.0.0.1:{port}"
+        finally:
+            server.close()
+
+
+FAILURES = [
+    ("refused", BrokerUnavailable, r"unreachable: ConnectError \(Connection refused\)$"),
+    ("refused-tls", BrokerUnavailable, r"unreachable: ConnectError \(Connection refused\)$"),
+    ("500", PublishError, r"answered 500$"),
+    ("silent", PublishError, r"failed: ReadTimeout$"),
+    ("silent-tls", BrokerUnavailable, r"unreachable: ConnectTimeout$"),
+    ("plain-to-tls", BrokerUnavailable, r"unreachable: ConnectError \(.*SSL.*\)$"),
+]
+
+
+@pytest.mark.parametrize(("failure", "error_type", "reason"), FAILURES)
+def test_webhook_errors_show_a_redacted_url_and_never_a_credential(failure, error_type, reason):
+    with failing_receiver(failure) as origin:
+        publisher = WebhookPublisher(url=url_with_credentials(origin), secret="k", timeout=0.5)
+        with pytest.raises(error_type) as caught:
+            publisher.publish(message())
+        publisher.close()
+    text = str(caught.value)
+    assert text.startswith(f"webhook {origin}/hooks/***?token=*** ")
+    assert re.search(reason, text), text
+    assert_no_credentials(text)
+    assert_no_credentials(repr(caught.value))
+    # The whole chain, as a traceback in a log or an error tracker prints it.
+    assert_no_credentials("".join(traceback.format_exception(caught.value)))
+
+
+def record_text(record: logging.LogRecord) -> str:
+    """Everything a handler could write of a record: message, extra fields, traceback."""
+    exc_text = logging.Formatter().formatException(record.exc_info) if record.exc_info else ""
+    return f"{record.getMessage()} {record.__dict__!r} {exc_text}"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("failure", ["refused", "500", "silent", "silent-tls"])
+def test_relay_stores_and_logs_webhook_failures_without_credentials(failure, caplog):
+    caplog.set_level(logging.DEBUG)  # every logger: ours, the relay's, httpx's and httpcore's
+    with failing_receiver(failure) as origin:
+        options = {"url": url_with_credentials(origin), "secret": "k", "timeout": 0.5}
+        routes = {"orders.*": {"BACKEND": WEBHOOK, "OPTIONS": options}}
+        with settings_with(OUTBOX_PUBLISHERS=routes), Relay(rng=CeilingRandom()) as relay:
+            event = publish_committed()
+            assert relay.drain().failed == 1
+    event.refresh_from_db()
+    assert f"webhook {origin}/hooks/***?token=*** " in event.last_error
+    assert_no_credentials(event.last_error)
+    warnings = [r for r in caplog.records if r.name == "django_idempotency.outbox.relay"]
+    assert [r.getMessage() for r in warnings] == ["outbox publish failed; will retry"]
+    assert warnings[0].outbox_error == event.last_error
+    if failure == "500":  # httpx logs every response it gets, with the URL it was given
+        assert any(r.name == "httpx" and "***" in r.getMessage() for r in caplog.records)
+    for record in caplog.records:
+        assert_no_credentials(record_text(record))
+
+
+def test_webhook_sends_its_real_url_while_httpx_only_sees_the_redacted_one(receiver, caplog):
+    caplog.set_level(logging.DEBUG)
+    url = url_with_credentials(receiver.url.removesuffix("/hooks/"))
+    publisher = WebhookPublisher(url=url + "#fragment", secret="k", timeout=5)
+    publisher.publish(message())
+    publisher.close()
+    headers, _ = receiver.requests[0]
+    assert receiver.paths == ["/hooks/abcdef0123456789abcdef?token=XYZ"]
+    assert headers["Authorization"] == "Basic aG9va3VzZXI6czNjcmV0"  # hookuser:s3cret
+    assert any(r.name == "httpx" for r in caplog.records)
+    for record in caplog.records:
+        assert_no_credentials(record_text(record))
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        # userinfo and fragment dropped; every query value masked, names kept
+        ("https://u:p@host/hooks/?token=XYZ&b=&flag#f", "https://host/hooks/?token=***&b=***&***"),
+        # 16+ characters that are not plain lowercase words: masked
+        ("http://host:8080/h/abcdef0123456789abcdef/x", "http://host:8080/h/***/x"),
+        ("http://host/services/T0/B0/QWERTYUIOPASDFGHJKLZXCVB", "http://host/services/T0/B0/***"),
+        ("http://host/1b4e28ba-2fa1-11d2-883f-0016d3cca427/", "http://host/***/"),
+        ("http://host/%41%42%43%44%45%46%47%48%49%4A%4B%4C%4D%4E%4F%50", "http://host/***"),
+        ("http://host/zzzzzzzzzzzzzzzz", "http://host/***"),
+        # plain words and short segments stay readable
+        ("http://host/customer-notifications/v2/orders", "http://host/customer-notifications/v2/orders"),
+        ("http://[::1]:9000/a_b.c/", "http://[::1]:9000/a_b.c/"),
+        # a query name that looks like a secret is masked with its value
+        ("http://host/?abcdef0123456789=1", "http://host/?***"),
+        ("not a url", "not%20a%20url"),
+        ("http://host:notaport/", "(invalid URL)"),
+    ],
+)  # fmt: skip
+def test_redact_url_rule(url, shown):
+    assert redact_url(url) == shown
+
+
+def test_secret_path_segments_masks_short_secrets_by_position():
+    url = "https://hooks.example/catch/123/abc1/"
+    assert redact_url(url) == url
+    assert redact_url(url, secret_segments=[2]) == "https://hooks.example/catch/123/***/"
+    assert redact_url(url, secret_segments=[-2, 9]) == "https://hooks.example/catch/123/***/"
+    publisher = WebhookPublisher(url=url, secret="k", secret_path_segments=[2])
+    assert str(publisher.shown_url) == "https://hooks.example/catch/123/***/"
+    publisher.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["ftp://hookuser:s3cret@host/XYZ", "hookuser:s3cret@XYZ", "http://hookuser:s3cret@:1/XYZ"],
+)
+def test_webhook_url_errors_never_quote_the_url(url):
+    with pytest.raises(IdempotencyConfigurationError, match="'url' must be an absolute") as caught:
+        WebhookPublisher(url=url, secret="k")
+    assert_no_credentials(str(caught.value))
 
 
 # --- AMQP (RabbitMQ) --------------------------------------------------------------------------

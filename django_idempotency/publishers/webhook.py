@@ -3,14 +3,21 @@
 The receiver deduplicates on ``Idempotency-Key`` and checks the signature with
 :func:`verify_signature`: ``Webhook-Signature: t=<unix time>,v1=<hex HMAC-SHA256>`` over
 ``"<t>.<body>"``, so a captured request cannot be replayed later with a new timestamp.
+
+Webhook URLs carry credentials (a password, a ``?token=``, a secret path segment), and a failed
+publish reaches ``OutboxEvent.last_error``, the admin and the logs: errors and httpx itself only
+ever see the URL as :func:`redact_url` shows it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
-from typing import Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 from django_idempotency.exceptions import (
     BrokerUnavailable,
@@ -19,7 +26,14 @@ from django_idempotency.exceptions import (
 )
 from django_idempotency.publishers.base import OutboxMessage, Publisher, to_json
 
+if TYPE_CHECKING:
+    import httpx
+
 SIGNATURE_HEADER = "Webhook-Signature"
+MASK = "***"
+#: A path segment this long is masked unless it reads as plain words (:func:`redact_url`).
+SECRET_SEGMENT_LENGTH = 16
+_PLAIN_WORDS = re.compile(r"[a-z]{1,15}(?:[-_.][a-z]{1,15})*")
 
 
 def sign(secret: str | bytes, timestamp: int, body: bytes) -> str:
@@ -47,9 +61,84 @@ def verify_signature(
     return hmac.compare_digest(sign(secret, timestamp, body), fields.get("v1", ""))
 
 
+def redact_url(url: str, *, secret_segments: Collection[int] = ()) -> str:
+    """``url`` as errors and logs show it: scheme, host, port and path, without credentials.
+
+    The userinfo and fragment are dropped, every query value is masked, and a path segment is
+    masked when it looks like a secret (16 or more characters that are not plain lowercase
+    words) or its position is in ``secret_segments`` (0 is the first segment, -1 the last).
+    """
+    import httpx
+
+    try:
+        return str(_shown_url(httpx.URL(url), secret_segments))
+    except httpx.InvalidURL:
+        return "(invalid URL)"
+
+
+def _shown_url(url: httpx.URL, secret_segments: Collection[int]) -> httpx.URL:
+    path, _, query = url.raw_path.decode("ascii").partition("?")
+    return url.copy_with(
+        username=None,
+        password=None,
+        fragment=None,
+        raw_path=(_redact_path(path, secret_segments) + _redact_query(query)).encode("ascii"),
+    )
+
+
+def _redact_path(path: str, secret_segments: Collection[int]) -> str:
+    segments = path.split("/")
+    # An absolute path starts with "/": segments[0] is then empty and positions skip it.
+    first = 1 if path.startswith("/") else 0
+    count = len(segments) - first
+    secret = {
+        position % count + first for position in secret_segments if -count <= position < count
+    }
+    return "/".join(
+        MASK if index in secret or _looks_secret(segment) else segment
+        for index, segment in enumerate(segments)
+    )
+
+
+def _redact_query(query: str) -> str:
+    if not query:
+        return ""
+    masked = []
+    for item in query.split("&"):
+        name, equals, _ = item.partition("=")
+        masked.append(f"{name}={MASK}" if equals and not _looks_secret(name) else MASK)
+    return "?" + "&".join(masked)
+
+
+def _looks_secret(text: str) -> bool:
+    decoded = unquote(text)
+    return len(decoded) >= SECRET_SEGMENT_LENGTH and not _PLAIN_WORDS.fullmatch(decoded)
+
+
+def _os_reason(exc: BaseException) -> str:
+    """The operating system's words for a failed connection ("Connection refused"), if any.
+
+    httpx's own messages may quote the request; the OS error under them never holds a URL.
+    """
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        if isinstance(current, OSError) and current.strerror:
+            return f" ({current.strerror})"
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return ""
+
+
 class WebhookPublisher(Publisher):
     """``OPTIONS``: ``url`` and ``secret`` (required), ``timeout`` (10 s), ``headers`` (extra
-    request headers), ``signature_header`` ("Webhook-Signature"). Any 2xx answer is success."""
+    request headers), ``signature_header`` ("Webhook-Signature"), ``secret_path_segments``
+    (positions of path segments to mask in errors, beside those that look secret). Any 2xx
+    answer is success.
+
+    The client is given the redacted URL, so nothing httpx logs or raises can hold a credential:
+    the userinfo goes as Basic auth and the real path and query as the request's ``target``.
+    """
 
     def __init__(
         self,
@@ -59,6 +148,7 @@ class WebhookPublisher(Publisher):
         timeout: float = 10.0,
         headers: dict[str, str] | None = None,
         signature_header: str = SIGNATURE_HEADER,
+        secret_path_segments: Collection[int] = (),
     ) -> None:
         super().__init__()
         if not url or not secret:
@@ -67,10 +157,23 @@ class WebhookPublisher(Publisher):
             )
         import httpx
 
+        try:
+            target = httpx.URL(url)
+        except httpx.InvalidURL:
+            target = None
+        if target is None or target.scheme not in ("http", "https") or not target.host:
+            # The message never quotes the URL: it may hold a password or a token.
+            raise IdempotencyConfigurationError(
+                "WebhookPublisher OPTIONS 'url' must be an absolute http:// or https:// URL."
+            )
         self.url = url
+        #: What errors and logs show of ``url``.
+        self.shown_url = _shown_url(target, secret_path_segments)
+        self._target = target.copy_with(fragment=None).raw_path
         self.secret = secret
         self.signature_header = signature_header
-        self._client = httpx.Client(timeout=timeout, headers=headers or {})
+        auth = (target.username, target.password) if target.userinfo else None
+        self._client = httpx.Client(timeout=timeout, headers=headers or {}, auth=auth)
 
     def publish(self, message: OutboxMessage) -> None:
         import httpx
@@ -83,14 +186,22 @@ class WebhookPublisher(Publisher):
             self.signature_header: f"t={timestamp},v1={sign(self.secret, timestamp, body)}",
             **message.trace_headers(),
         }
+        # Messages are built from the exception's type, never from its text.
         try:
-            response = self._client.post(self.url, content=body, headers=request_headers)
+            response = self._client.post(
+                self.shown_url,
+                content=body,
+                headers=request_headers,
+                extensions={"target": self._target},
+            )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise BrokerUnavailable(f"webhook {self.url} unreachable: {exc!r}") from exc
+            reason = f"{type(exc).__name__}{_os_reason(exc)}"
+            raise BrokerUnavailable(f"webhook {self.shown_url} unreachable: {reason}") from exc
         except httpx.HTTPError as exc:
-            raise PublishError(f"webhook {self.url} failed: {exc!r}") from exc
+            reason = f"{type(exc).__name__}{_os_reason(exc)}"
+            raise PublishError(f"webhook {self.shown_url} failed: {reason}") from exc
         if not response.is_success:
-            raise PublishError(f"webhook {self.url} answered {response.status_code}")
+            raise PublishError(f"webhook {self.shown_url} answered {response.status_code}")
 
     def close(self) -> None:
         self._client.close()

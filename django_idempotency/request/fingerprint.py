@@ -4,19 +4,27 @@ A retry must carry the same request; formatting is not part of "the same". JSON 
 with sorted keys and no insignificant whitespace, form fields are sorted, multipart uploads are
 hashed file by file as they stream, anything else is hashed as raw bytes. The body itself is
 never stored.
+
+Fingerprinting reads no more of a body than Django itself would: a body that is not multipart
+is read through ``request.body``, under ``DATA_UPLOAD_MAX_MEMORY_SIZE``, unless the caller
+allows a larger one (``max_body``) for a view that reads its stream itself; multipart is parsed
+by Django's own parser under its own limits.
 """
 
 from __future__ import annotations
 
 import codecs
+import enum
 import hashlib
 import json
 import re
+import secrets
 from tempfile import SpooledTemporaryFile
-from typing import Any
+from typing import Any, Final, Literal
 from urllib.parse import parse_qsl, urlencode
 
 from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponseBase, QueryDict
 from django.http.multipartparser import MultiPartParser, MultiPartParserError
 from django.utils.datastructures import MultiValueDict
@@ -27,6 +35,18 @@ _CHUNK = 64 * 1024
 #: refuses the error handler or any input (``idna``, ``undefined``).
 _CHARSET_ERRORS = (LookupError, UnicodeError)
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+#: The longest number the canonical JSON writes out in full; the most digits Python itself
+#: reads as an integer (``sys.get_int_max_str_digits()`` by default).
+_MAX_DIGITS = 4300
+
+
+class _BodyLimit(enum.Enum):
+    DJANGO = "DATA_UPLOAD_MAX_MEMORY_SIZE"
+
+
+#: ``max_body``'s default: the bound Django itself puts on ``request.body``, read live from
+#: ``settings.DATA_UPLOAD_MAX_MEMORY_SIZE``.
+DJANGO_LIMIT: Final = _BodyLimit.DJANGO
 
 
 def canonical_path(request: HttpRequest) -> str:
@@ -48,8 +68,19 @@ def recorded_path(request: HttpRequest) -> str:
     return _CONTROL_CHARS.sub(lambda char: f"%{ord(char.group()):02X}", canonical_path(request))
 
 
-def request_fingerprint(request: HttpRequest) -> str:
-    """Hex SHA-256 identifying what the request asks for, independent of body formatting."""
+def request_fingerprint(
+    request: HttpRequest, *, max_body: int | None | Literal[_BodyLimit.DJANGO] = DJANGO_LIMIT
+) -> str:
+    """Hex SHA-256 identifying what the request asks for, independent of body formatting.
+
+    ``max_body`` is the largest body, in bytes, that is not multipart the fingerprint reads; a
+    larger one raises ``RequestDataTooBig``, which Django answers with a 400: unread when its
+    Content-Length says so, else read no further than Django itself would. By default it is
+    Django's own bound on ``request.body``, so a guarded request costs no more than a view
+    reading ``request.body``. A view that reads large raw bodies from the stream itself passes a
+    larger bound, or None for none: a body above ``DATA_UPLOAD_MAX_MEMORY_SIZE`` is then hashed
+    as raw bytes as it streams, and handed back to the view spooled.
+    """
     digest = hashlib.sha256()
     digest.update(f"{request.method}\n{canonical_path(request)}\n".encode())
     content_type = request.content_type or ""
@@ -59,15 +90,31 @@ def request_fingerprint(request: HttpRequest) -> str:
         content_type = ""
     if content_type == "multipart/form-data":
         _hash_multipart(request, digest)
-    elif content_type == "application/x-www-form-urlencoded" and _fits_in_memory(request):
-        digest.update(_canonical_form(request))
-    elif _is_json(content_type) and _fits_in_memory(request):
-        digest.update(_canonical_json(request.body))
-    elif _fits_in_memory(request):
-        digest.update(b"raw\n" + request.body)
+        return digest.hexdigest()
+    bound = settings.DATA_UPLOAD_MAX_MEMORY_SIZE if max_body is DJANGO_LIMIT else max_body
+    if not hasattr(request, "_body"):
+        _refuse_above(bound, _content_length(request))
+    if not _fits_in_memory(request):
+        _hash_raw_stream(request, digest, bound)
+        return digest.hexdigest()
+    # Django's own read: it stops past its limit whatever Content-Length claimed, and raises.
+    body = request.body
+    _refuse_above(bound, len(body))
+    if content_type == "application/x-www-form-urlencoded":
+        digest.update(_canonical_form(body, request.encoding))
+    elif _is_json(content_type):
+        digest.update(_canonical_json(body))
     else:
-        _hash_raw_stream(request, digest)
+        digest.update(b"raw\n" + body)
     return digest.hexdigest()
+
+
+def _refuse_above(bound: int | None, size: int) -> None:
+    if bound is not None and size > bound:
+        raise RequestDataTooBig(
+            f"Request body exceeded the {bound} bytes an idempotency fingerprint reads "
+            "(settings.DATA_UPLOAD_MAX_MEMORY_SIZE, or the max_body its caller allowed)."
+        )
 
 
 def _charset_decodes(encoding: str | None) -> bool:
@@ -82,11 +129,11 @@ def _charset_decodes(encoding: str | None) -> bool:
     return codecs.lookup(encoding)._is_text_encoding
 
 
-def _canonical_form(request: HttpRequest) -> bytes:
+def _canonical_form(body: bytes, encoding: str | None) -> bytes:
     try:
-        fields = QueryDict(request.body, encoding=request.encoding)
+        fields = QueryDict(body, encoding=encoding)
     except _CHARSET_ERRORS:
-        return b"raw\n" + request.body
+        return b"raw\n" + body
     return b"form\n" + _canonical_fields(fields)
 
 
@@ -108,17 +155,67 @@ def _fits_in_memory(request: HttpRequest) -> bool:
 
 
 def _canonical_json(body: bytes) -> bytes:
+    numbers = _ExactNumbers()
     try:
-        parsed = json.loads(body)
-    except (ValueError, RecursionError):
-        # Not JSON after all (or hostile nesting): the raw bytes still identify the request,
-        # and the view answers the client's mistake itself.
-        return b"raw\n" + body
-    try:
+        parsed = json.loads(body, parse_float=numbers.parse, parse_constant=numbers.constant)
         text = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except (ValueError, RecursionError):
+        # Not JSON after all, a number Python will not read (an integer or exponent of over
+        # 4300 digits) or hostile nesting: the raw bytes still identify the request, and the
+        # view answers the client's mistake itself.
         return b"raw\n" + body
-    return b"json\n" + text.encode("utf-8", "surrogatepass")
+    return b"json\n" + numbers.unquote(text).encode("utf-8", "surrogatepass")
+
+
+class _ExactNumbers:
+    """Numbers for the canonical JSON, compared by exact decimal value, never as floats.
+
+    One text per value, so 1, 1.0, 1.00, 10e-1 and 1e0 are one request, and 0.1 and
+    0.10000000000000000001 are two: an integral value is its integer digits, any other its
+    plain decimal without trailing zeros (``0.05``). A value with more than ``_MAX_DIGITS``
+    digits before or after the point is ``<digits>e<exponent>`` instead, so 1e999999999 is
+    never expanded. NaN and (-)Infinity stay as written. Integers written without a fraction
+    or exponent are Python's own, read and written by the json module.
+
+    The stdlib encoder cannot write such text unquoted, so each is handed to it as a string
+    that starts with a random mark, and ``"<mark>`` is dropped from the encoded text. A client
+    cannot send the mark, so no string of its own is ever taken for a number. The closing
+    quote stays: the text is only hashed, and ``1.5"`` still reads one way (no integer, string
+    or literal the encoder writes looks like it).
+    """
+
+    def __init__(self) -> None:
+        self._mark = secrets.token_hex(8)
+
+    def parse(self, text: str) -> int | str:
+        if "e" not in text and "E" not in text and text[-1] != "0" and len(text) <= _MAX_DIGITS:
+            return self._wrap(text)  # a plain decimal without trailing zeros: canonical already
+        mantissa, _, exponent_text = text.lower().partition("e")
+        negative = mantissa.startswith("-")
+        whole, _, fraction = mantissa.lstrip("-").partition(".")
+        digits = (whole + fraction).lstrip("0")
+        significant = digits.rstrip("0")
+        if not significant:
+            return 0
+        exponent = int(exponent_text or 0) - len(fraction) + len(digits) - len(significant)
+        sign = "-" if negative else ""
+        if exponent >= 0 and len(significant) + exponent <= _MAX_DIGITS:
+            return int(f"{sign}{significant}{'0' * exponent}")
+        point = len(significant) + exponent  # digits before the decimal point
+        if point <= _MAX_DIGITS and -exponent <= _MAX_DIGITS:
+            if point > 0:
+                return self._wrap(f"{sign}{significant[:point]}.{significant[point:]}")
+            return self._wrap(f"{sign}0.{'0' * -point}{significant}")
+        return self._wrap(f"{sign}{significant}e{exponent}")
+
+    def constant(self, name: str) -> str:
+        return self._wrap(name)
+
+    def unquote(self, text: str) -> str:
+        return text.replace(f'"{self._mark}', "")
+
+    def _wrap(self, number: str) -> str:
+        return self._mark + number
 
 
 def _canonical_fields(fields: QueryDict | MultiValueDict[str, Any]) -> bytes:
@@ -158,18 +255,26 @@ def _hash_multipart(request: HttpRequest, digest: Any) -> None:
             digest.update(file_digest.digest())
 
 
-def _hash_raw_stream(request: HttpRequest, digest: Any) -> None:
+def _hash_raw_stream(request: HttpRequest, digest: Any, bound: int | None) -> None:
     """Hash a large body in chunks and put it back, spooled, for the view to read.
 
-    ``request.body`` would refuse it (DATA_UPLOAD_MAX_MEMORY_SIZE) where a view that streams
-    the request would not, so the body is read as a stream and handed back as a file.
+    Only for a caller that allowed a body above DATA_UPLOAD_MAX_MEMORY_SIZE (``max_body``):
+    ``request.body`` would refuse it where a view that streams the request would not, so the
+    body is read as a stream, never past ``bound``, and handed back as a file.
     """
     # The spool outlives this function: the request owns it and closes it with its stream.
     spool = SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE)  # noqa: SIM115
     digest.update(b"raw\n")
-    while chunk := request.read(_CHUNK):
-        digest.update(chunk)
-        spool.write(chunk)
+    size = 0
+    try:
+        while chunk := request.read(_CHUNK if bound is None else min(_CHUNK, bound + 1 - size)):
+            size += len(chunk)
+            _refuse_above(bound, size)
+            digest.update(chunk)
+            spool.write(chunk)
+    except BaseException:
+        spool.close()
+        raise
     spool.seek(0)
     request._idempotency_cleanup = [spool.close]  # type: ignore[attr-defined]
     # HttpRequest reads from ``_stream``; resetting ``_read_started`` lets the view (or DRF)

@@ -6,7 +6,7 @@ bare token. Both spellings of the same characters name the same record.
 
 from __future__ import annotations
 
-import hashlib
+from django.utils.crypto import salted_hmac
 
 from django_idempotency.exceptions import IdempotencyKeyInvalid
 
@@ -14,6 +14,8 @@ MAX_KEY_LENGTH = 255
 
 _BARE_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F)) - {",", '"', "\\"}
 _QUOTED_CHARS = frozenset(chr(c) for c in range(0x20, 0x7F))
+#: Keeps :func:`redact`'s HMAC apart from every other use of SECRET_KEY.
+_REDACT_SALT = "django_idempotency.request.keys.redact"
 
 
 def parse_key(raw: str) -> str:
@@ -58,5 +60,10 @@ def _parse_sf_string(value: str) -> str:
 
 
 def redact(key: str) -> str:
-    """What logs show of a key: enough to correlate, not enough to replay it."""
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    """What logs show of a key: enough to correlate, not enough to replay it.
+
+    A keyed hash (HMAC-SHA256 under a key derived from SECRET_KEY), because keys are often
+    guessable (``order-123``) and a plain hash of a guess would find them. Rotating
+    SECRET_KEY changes every redacted form.
+    """
+    return "hmac:" + salted_hmac(_REDACT_SALT, key, algorithm="sha256").hexdigest()[:12]
