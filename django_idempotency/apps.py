@@ -10,8 +10,10 @@ class IdempotencyConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_idempotency import checks  # noqa: F401  (registers the system checks)
+        from django_idempotency import checks
         from django_idempotency.request import cache  # noqa: F401  (listens to key_released)
+
+        checks.register_all()
 
         if find_spec("drf_spectacular") is not None:
             # Registers the schema extension that documents idempotent endpoints.

@@ -1,19 +1,42 @@
-"""System checks for the ``IDEMPOTENCY`` settings. Ids are stable and never reused."""
+"""System checks, declared as a table: one :class:`Check` row per id.
+
+Each row holds its id, the condition that finds the problem, the message and the hint. The ids
+are stable and never reused once retired; ``docs/checks.md`` documents each one with its fix.
+:func:`register_all` hands every row to Django's check framework from ``AppConfig.ready()``, so
+``manage.py check`` (and ``runserver``, ``migrate``, the test runner) runs them with their tags.
+
+A condition yields one mapping per problem it finds; the row formats its message and hint with
+it. A condition never connects to a database unless its row is tagged ``database`` (Django then
+runs it only for ``check --database`` and ``migrate``), and never prints a publisher option's
+value: options hold signing secrets and broker passwords.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
-from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from django_idempotency.conf import DEFAULTS, SENSITIVE_HEADERS
+from django_idempotency.conf import (
+    BOOLEAN_MESSAGE,
+    CREDENTIAL_SCOPE_MESSAGE,
+    DEFAULTS,
+    HEADER_NAMES_MESSAGE,
+    SENSITIVE_HEADERS,
+    parse_bool,
+    parse_credential_scope,
+    parse_int,
+    parse_number,
+)
+from django_idempotency.exceptions import IdempotencyConfigurationError
 
+# Layer 1: request settings, middleware and databases
 E001 = "django_idempotency.E001"  # IDEMPOTENCY is not a dict
 E002 = "django_idempotency.E002"  # LEASE_SECONDS not a positive number
 E003 = "django_idempotency.E003"  # TTL_SECONDS not a positive number
@@ -24,322 +47,131 @@ E007 = "django_idempotency.E007"  # STORED_RESPONSE_HEADERS not header names
 E008 = "django_idempotency.E008"  # MAX_RESPONSE_BYTES not a non-negative integer
 E009 = "django_idempotency.E009"  # a header-name setting is not a valid header name
 E010 = "django_idempotency.E010"  # MIDDLEWARE_PATHS not valid regular expressions
-E011 = "django_idempotency.E011"  # a boolean setting is not a bool
+E011 = "django_idempotency.E011"  # KEY_REQUIRED, LEASE_HEARTBEAT or LOG_KEYS is not a boolean
 E012 = "django_idempotency.E012"  # MIDDLEWARE_METHODS not HTTP methods
+E013 = "django_idempotency.E013"  # a middleware after IdempotencyMiddleware has process_view
+E014 = "django_idempotency.E014"  # CREDENTIAL_SCOPE is neither "digest" nor "refuse"
+E015 = "django_idempotency.E015"  # CREDENTIAL_HEADERS is not a list of header names
 W001 = "django_idempotency.W001"  # unknown key in IDEMPOTENCY
 W002 = "django_idempotency.W002"  # STORED_RESPONSE_HEADERS lists a header never stored
-W003 = "django_idempotency.W003"  # SQLite without IMMEDIATE transactions outside DEBUG
+W003 = "django_idempotency.W003"  # SQLite without IMMEDIATE transactions
 W004 = "django_idempotency.W004"  # middleware placed before AuthenticationMiddleware
+W005 = "django_idempotency.W005"  # IdempotencyRecord routed to a database other than "default"
+W006 = "django_idempotency.W006"  # USE_TZ = False
+W007 = "django_idempotency.W007"  # middleware paths behind DRF token/JWT/Basic authentication
+# Layers 2 and 3: outbox, consumers, sweeps
+E020 = "django_idempotency.E020"  # OUTBOX_PUBLISHERS not a dict of pattern -> publisher spec
+E021 = "django_idempotency.E021"  # a publisher backend does not import or is not a Publisher
+E022 = "django_idempotency.E022"  # a count setting is not a positive integer
+E023 = "django_idempotency.E023"  # a duration setting is not a positive number
+E024 = "django_idempotency.E024"  # OUTBOX_BACKOFF_MAX_SECONDS below OUTBOX_BACKOFF_BASE_SECONDS
+E025 = "django_idempotency.E025"  # OUTBOX_KICK does not import or is not callable
+E026 = "django_idempotency.E026"  # OUTBOX_REQUIRE_ATOMIC or OUTBOX_NOTIFY is not a boolean
+E027 = "django_idempotency.E027"  # OUTBOX_KICK set while OUTBOX_PUBLISHERS is empty
+E028 = "django_idempotency.E028"  # a route's OPTIONS do not fit its publisher's arguments
+W020 = "django_idempotency.W020"  # INBOX_RETENTION shorter than the redelivery horizon
+W021 = "django_idempotency.W021"  # an idempotent consumer task without acks_late
+W022 = "django_idempotency.W022"  # database without SELECT ... FOR UPDATE SKIP LOCKED
+W023 = "django_idempotency.W023"  # an idempotent consumer task without reject_on_worker_lost
+W024 = "django_idempotency.W024"  # OUTBOX_PUBLISHERS has no catch-all ("*") route
+W025 = "django_idempotency.W025"  # the default OUTBOX_KICK without Celery relays in-process
+# Redis fast path
 E040 = "django_idempotency.E040"  # CACHE_ALIAS is not None or a configured cache alias
 E041 = "django_idempotency.E041"  # CACHE_ALIAS names a cache that is not django-redis
 E042 = "django_idempotency.E042"  # CACHE_RETRY_SECONDS is not a number >= 0
 W040 = "django_idempotency.W040"  # the CACHE_ALIAS cache has no socket timeouts
-E060 = "django_idempotency.E060"  # REGISTER_ADMIN, METRICS or TRACING is not a bool
+# Operations
+E060 = "django_idempotency.E060"  # REGISTER_ADMIN, METRICS or TRACING is not a boolean
 W060 = "django_idempotency.W060"  # METRICS set to True but prometheus_client is not installed
 W061 = "django_idempotency.W061"  # TRACING set to True but opentelemetry-api is not installed
 
+MIDDLEWARE = "django_idempotency.middleware.IdempotencyMiddleware"
+_AUTHENTICATION_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
+_DJANGO_REDIS_BACKEND = "django_redis.cache.RedisCache"
+_SESSION_AUTHENTICATION = "rest_framework.authentication.SessionAuthentication"
+#: The default resolver, and the deprecated path it was documented under.
+_DEFAULT_RESOLVERS = frozenset({DEFAULTS["SCOPE_RESOLVER"], "django_idempotency.scopes.user_scope"})
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
-_BOOLEANS = ("KEY_REQUIRED", "LEASE_HEARTBEAT", "LOG_KEYS")
-_HEADER_SETTINGS = ("HEADER", "REPLAY_HEADER")
+#: Redis and SQS redeliver an unacknowledged message after this long (their default).
+_DEFAULT_VISIBILITY_TIMEOUT = 3600
+
+Finding = Mapping[str, Any]
 
 
-@register(Tags.compatibility)
-def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
-    user = getattr(settings, "IDEMPOTENCY", {})
-    if not isinstance(user, dict):
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What conditions read: ``IDEMPOTENCY`` as given, merged over the defaults, and the
+    databases Django asked to check (``None`` unless ``check --database`` or ``migrate``)."""
+
+    user: Mapping[str, Any]
+    merged: Mapping[str, Any]
+    valid: bool
+    databases: Sequence[str] | None
+
+    @classmethod
+    def load(cls, databases: Sequence[str] | None) -> Context:
+        raw = getattr(settings, "IDEMPOTENCY", {})
+        user = raw if isinstance(raw, dict) else {}
+        return cls(user, {**DEFAULTS, **user}, isinstance(raw, dict), databases)
+
+
+@dataclass(eq=False)
+class Check:
+    """One system check: an Error when its id says ``E``, a Warning when ``W``.
+
+    Registered with Django as a check function (instances are callable), so ``tags`` is also
+    the attribute Django's registry sets.
+    """
+
+    id: str
+    condition: Callable[[Context], Iterable[Finding]]
+    message: str
+    hint: str | None = None
+    tags: tuple[str, ...] = (Tags.compatibility,)
+    #: False for checks that do not read ``IDEMPOTENCY``; the others wait for E001 to pass.
+    reads_settings: bool = True
+
+    def __call__(
+        self,
+        app_configs: Sequence[Any] | None = None,
+        databases: Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> list[CheckMessage]:
+        context = Context.load(databases)
+        if self.reads_settings and not context.valid:
+            return []
+        level = Error if self.id.rpartition(".")[2].startswith("E") else Warning
         return [
-            Error(
-                "IDEMPOTENCY must be a dict.",
-                hint="Set IDEMPOTENCY = {...} with the settings to change, or remove it.",
-                id=E001,
+            level(
+                self.message.format(**found),
+                hint=None if self.hint is None else self.hint.format(**found),
+                id=self.id,
             )
+            for found in self.condition(context)
         ]
-    merged = {**DEFAULTS, **user}
-    errors: list[CheckMessage] = []
-    for name in sorted(set(user) - set(DEFAULTS)):
-        errors.append(
-            Warning(
-                f"IDEMPOTENCY[{name!r}] is not a known setting and is ignored.",
-                hint="Check its spelling against the settings reference.",
-                id=W001,
-            )
-        )
-    errors += _check_durations(merged)
-    errors += _check_scope_resolver(merged["SCOPE_RESOLVER"])
-    errors += _check_status_codes(merged["STORED_STATUS_CODES"])
-    errors += _check_stored_headers(merged["STORED_RESPONSE_HEADERS"])
-    errors += _check_middleware(merged["MIDDLEWARE_PATHS"], merged["MIDDLEWARE_METHODS"])
-    max_bytes = merged["MAX_RESPONSE_BYTES"]
-    if not _is_int(max_bytes) or max_bytes < 0:
-        errors.append(
-            Error(
-                f"IDEMPOTENCY['MAX_RESPONSE_BYTES'] must be a non-negative integer, "
-                f"not {max_bytes!r}.",
-                hint="Responses larger than this are recorded without their body.",
-                id=E008,
-            )
-        )
-    for name in _HEADER_SETTINGS:
-        value = merged[name]
-        if not isinstance(value, str) or not _TOKEN.match(value):
-            errors.append(
-                Error(
-                    f"IDEMPOTENCY[{name!r}] must be an HTTP header name, not {value!r}.",
-                    hint="Use letters, digits and dashes, for example 'Idempotency-Key'.",
-                    id=E009,
-                )
-            )
-    for name in _BOOLEANS:
-        if not isinstance(merged[name], bool):
-            errors.append(
-                Error(f"IDEMPOTENCY[{name!r}] must be True or False.", hint=None, id=E011)
-            )
-    return errors
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _check_durations(merged: dict[str, Any]) -> list[CheckMessage]:
-    lease, ttl = merged["LEASE_SECONDS"], merged["TTL_SECONDS"]
-    errors: list[CheckMessage] = []
-    if not _is_number(lease) or lease <= 0:
-        errors.append(
-            Error(
-                f"IDEMPOTENCY['LEASE_SECONDS'] must be a positive number, not {lease!r}.",
-                hint="Set it a little above the longest time an idempotent view takes.",
-                id=E002,
-            )
-        )
-    if not _is_number(ttl) or ttl <= 0:
-        errors.append(
-            Error(
-                f"IDEMPOTENCY['TTL_SECONDS'] must be a positive number, not {ttl!r}.",
-                hint="Set it to how long clients may retry, for example 86400 (24 hours).",
-                id=E003,
-            )
-        )
-    if not errors and ttl < lease:
-        errors.append(
-            Error(
-                f"IDEMPOTENCY['TTL_SECONDS'] ({ttl}) is shorter than LEASE_SECONDS ({lease}).",
-                hint="A key must outlive the lease of the request that holds it.",
-                id=E004,
-            )
-        )
-    return errors
-
-
-def _check_scope_resolver(value: Any) -> list[CheckMessage]:
+def _number(name: str, merged: Mapping[str, Any]) -> float | None:
     try:
-        resolver = import_string(value) if isinstance(value, str) else value
-    except ImportError as exc:
-        return [
-            Error(
-                f"IDEMPOTENCY['SCOPE_RESOLVER'] = {value!r} does not import: {exc}.",
-                hint="Use the dotted path of a callable taking the request and returning a str.",
-                id=E005,
-            )
-        ]
-    if not callable(resolver):
-        return [
-            Error(
-                f"IDEMPOTENCY['SCOPE_RESOLVER'] = {value!r} is not callable.",
-                hint="Use the dotted path of a callable taking the request and returning a str.",
-                id=E005,
-            )
-        ]
-    return []
+        return parse_number(name, merged[name])
+    except IdempotencyConfigurationError:
+        return None
 
 
-def _check_status_codes(value: Any) -> list[CheckMessage]:
-    valid = isinstance(value, Iterable) and not isinstance(value, str | bytes)
-    if valid:
-        codes = list(value)
-        valid = bool(codes) and all(_is_int(code) and 100 <= code <= 599 for code in codes)
-    if valid:
-        return []
-    return [
-        Error(
-            "IDEMPOTENCY['STORED_STATUS_CODES'] must be a collection of HTTP status codes.",
-            hint="For example range(100, 500), the default, which stores all but 5xx.",
-            id=E006,
-        )
-    ]
+def _integer(name: str, merged: Mapping[str, Any]) -> int | None:
+    try:
+        return parse_int(name, merged[name])
+    except IdempotencyConfigurationError:
+        return None
 
 
-def _check_stored_headers(value: Any) -> list[CheckMessage]:
-    is_list = isinstance(value, Iterable) and not isinstance(value, str | bytes)
-    names: list[Any] = list(value) if is_list else []
-    if not is_list or not all(isinstance(name, str) and _TOKEN.match(name) for name in names):
-        return [
-            Error(
-                "IDEMPOTENCY['STORED_RESPONSE_HEADERS'] must be a list of header names.",
-                hint="For example ['Content-Type', 'Location'].",
-                id=E007,
-            )
-        ]
-    sensitive = sorted(name for name in names if name.lower() in SENSITIVE_HEADERS)
-    if sensitive:
-        return [
-            Warning(
-                f"IDEMPOTENCY['STORED_RESPONSE_HEADERS'] lists {', '.join(sensitive)}, "
-                "which are never stored.",
-                hint="Remove them: replaying cookies or credentials would leak them.",
-                id=W002,
-            )
-        ]
-    return []
-
-
-def _check_middleware(paths: Any, methods: Any) -> list[CheckMessage]:
-    errors: list[CheckMessage] = []
-    bad_paths = isinstance(paths, str) or not isinstance(paths, Iterable)
-    if not bad_paths:
-        for pattern in paths:
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError):
-                bad_paths = True
-    if bad_paths:
-        errors.append(
-            Error(
-                "IDEMPOTENCY['MIDDLEWARE_PATHS'] must be a list of regular expressions.",
-                hint=r"For example [r'^/api/payments/'].",
-                id=E010,
-            )
-        )
-    if (
-        isinstance(methods, str)
-        or not isinstance(methods, Iterable)
-        or not all(isinstance(method, str) and _TOKEN.match(method) for method in methods)
-    ):
-        errors.append(
-            Error(
-                "IDEMPOTENCY['MIDDLEWARE_METHODS'] must be a list of HTTP methods.",
-                hint="For example ['POST', 'PATCH'].",
-                id=E012,
-            )
-        )
-    return errors
-
-
-@register(Tags.database)
-def check_sqlite(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
-    """SQLite needs IMMEDIATE transactions, or concurrent writers fail with 'database is locked'."""
-    if settings.DEBUG:
-        return []
-    from django.db import connections
-
-    warnings: list[CheckMessage] = []
-    for alias in kwargs.get("databases") or ():
-        settings_dict = connections.settings[alias]
-        if "sqlite3" not in settings_dict["ENGINE"]:
-            continue
-        mode = str(settings_dict.get("OPTIONS", {}).get("transaction_mode") or "").upper()
-        if mode != "IMMEDIATE":
-            warnings.append(
-                Warning(
-                    f"Database {alias!r} is SQLite without IMMEDIATE transactions.",
-                    hint=(
-                        "Set DATABASES[...]['OPTIONS'] = {'transaction_mode': 'IMMEDIATE', "
-                        "'timeout': 20}, or use PostgreSQL in production."
-                    ),
-                    id=W003,
-                )
-            )
-    return warnings
-
-
-@register(Tags.compatibility)
-def check_middleware_order(
-    app_configs: Sequence[Any] | None = None, **kwargs: Any
-) -> list[CheckMessage]:
-    middleware = list(getattr(settings, "MIDDLEWARE", []))
-    ours = "django_idempotency.middleware.IdempotencyMiddleware"
-    auth = "django.contrib.auth.middleware.AuthenticationMiddleware"
-    if (
-        ours in middleware
-        and auth in middleware
-        and middleware.index(ours) < middleware.index(auth)
-    ):
-        return [
-            Warning(
-                "IdempotencyMiddleware comes before AuthenticationMiddleware.",
-                hint="Move it after AuthenticationMiddleware so keys are scoped by user.",
-                id=W004,
-            )
-        ]
-    return []
-
-
-_DJANGO_REDIS_BACKEND = "django_redis.cache.RedisCache"
-
-
-@register(Tags.caches)
-def check_fast_path(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
-    """The Redis fast path needs a django-redis cache that fails fast when Redis hangs."""
-    user = getattr(settings, "IDEMPOTENCY", {})
-    if not isinstance(user, dict):
-        return []  # E001 already says IDEMPOTENCY is not a dict
-    retry = user.get("CACHE_RETRY_SECONDS", DEFAULTS["CACHE_RETRY_SECONDS"])
-    if not _is_number(retry) or retry < 0:
-        return [
-            Error(
-                f"IDEMPOTENCY['CACHE_RETRY_SECONDS'] must be a number of seconds >= 0, "
-                f"not {retry!r}.",
-                hint="0 retries Redis on every request; the default is 5.",
-                id=E042,
-            )
-        ]
-    alias = user.get("CACHE_ALIAS")
-    if alias is None:
-        return []
-    caches_setting = getattr(settings, "CACHES", {})
-    if not isinstance(alias, str) or alias not in caches_setting:
-        return [
-            Error(
-                f"IDEMPOTENCY['CACHE_ALIAS'] = {alias!r} is not an alias in CACHES.",
-                hint="Name a django-redis cache from CACHES, or set it to None for the "
-                "database only.",
-                id=E040,
-            )
-        ]
-    cache = caches_setting[alias]
-    if cache.get("BACKEND") != _DJANGO_REDIS_BACKEND:
-        return [
-            Error(
-                f"CACHES[{alias!r}] (IDEMPOTENCY['CACHE_ALIAS']) uses {cache.get('BACKEND')!r}; "
-                f"the fast path needs {_DJANGO_REDIS_BACKEND!r}.",
-                hint="pip install 'django-idempotency[redis]' and set that BACKEND.",
-                id=E041,
-            )
-        ]
-    options = cache.get("OPTIONS") or {}
-    if not options.get("SOCKET_TIMEOUT") or not options.get("SOCKET_CONNECT_TIMEOUT"):
-        return [
-            Warning(
-                f"CACHES[{alias!r}] (IDEMPOTENCY['CACHE_ALIAS']) sets no SOCKET_TIMEOUT or "
-                "SOCKET_CONNECT_TIMEOUT: a Redis that hangs would hang every idempotent request.",
-                hint="Set OPTIONS = {'SOCKET_CONNECT_TIMEOUT': 0.1, 'SOCKET_TIMEOUT': 0.1}; "
-                "on a timeout the request falls back to the database.",
-                id=W040,
-            )
-        ]
-    return []
-
-
-#: Operations settings: (name, module it needs or None, warning id, extra that installs it).
-_OPERATIONS_SETTINGS = (
-    ("REGISTER_ADMIN", None, None, None),
-    ("METRICS", "prometheus_client", W060, "metrics"),
-    ("TRACING", "opentelemetry.trace", W061, "otel"),
-)
+def _shown(value: Any, number: float | None) -> str:
+    """A value for a message: numbers as they are, anything else by its type only."""
+    return repr(value) if number is not None else f"a {type(value).__name__}"
 
 
 def importable(module: str) -> bool:
@@ -349,239 +181,403 @@ def importable(module: str) -> bool:
         return False
 
 
-@register(Tags.compatibility)
-def check_operations(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
-    user = getattr(settings, "IDEMPOTENCY", {})
-    if not isinstance(user, dict):
-        return []  # E001 already says so
-    messages: list[CheckMessage] = []
-    for name, module, warning_id, extra in _OPERATIONS_SETTINGS:
-        value = user.get(name, DEFAULTS[name])
-        if not isinstance(value, bool):
-            messages.append(
-                Error(f"IDEMPOTENCY[{name!r}] must be True or False, not {value!r}.", id=E060)
-            )
-        elif module and warning_id and user.get(name) is True and not importable(module):
-            messages.append(
-                Warning(
-                    f"IDEMPOTENCY[{name!r}] is True but {module.split('.')[0]} is not installed, "
-                    "so it has no effect.",
-                    hint=f"pip install 'django-idempotency[{extra}]', or remove the setting.",
-                    id=warning_id,
-                )
-            )
-    return messages
+def _middleware() -> list[str]:
+    return [str(path) for path in getattr(settings, "MIDDLEWARE", None) or []]
 
 
-# --- Layers 2 and 3: outbox, consumers, sweeps -----------------------------------------------
-
-E020 = "django_idempotency.E020"  # OUTBOX_PUBLISHERS not a dict of pattern -> publisher spec
-E021 = "django_idempotency.E021"  # a publisher backend does not import or is not a Publisher
-E022 = "django_idempotency.E022"  # a count setting is not a positive integer
-E023 = "django_idempotency.E023"  # a duration setting is not a positive number
-E024 = "django_idempotency.E024"  # OUTBOX_BACKOFF_MAX_SECONDS below OUTBOX_BACKOFF_BASE_SECONDS
-E025 = "django_idempotency.E025"  # OUTBOX_KICK does not import or is not callable
-E026 = "django_idempotency.E026"  # an outbox boolean setting is not a bool
-W020 = "django_idempotency.W020"  # INBOX_RETENTION shorter than the redelivery horizon
-W021 = "django_idempotency.W021"  # an idempotent consumer task without acks_late
-W022 = "django_idempotency.W022"  # database without SELECT ... FOR UPDATE SKIP LOCKED
-W023 = "django_idempotency.W023"  # an idempotent consumer task without reject_on_worker_lost
-
-_OUTBOX_COUNTS = ("OUTBOX_BATCH_SIZE", "OUTBOX_MAX_ATTEMPTS", "SWEEP_BATCH_SIZE")
-_OUTBOX_DURATIONS = (
-    "OUTBOX_RELAY_LEASE_SECONDS",
-    "OUTBOX_BACKOFF_BASE_SECONDS",
-    "OUTBOX_BACKOFF_MAX_SECONDS",
-    "OUTBOX_POLL_SECONDS",
-    "OUTBOX_RETENTION_SECONDS",
-    "INBOX_RETENTION_SECONDS",
-)
-_OUTBOX_BOOLEANS = ("OUTBOX_REQUIRE_ATOMIC", "OUTBOX_NOTIFY")
-#: Redis and SQS redeliver an unacknowledged message after this long (their default).
-_DEFAULT_VISIBILITY_TIMEOUT = 3600
+# --- conditions: Layer 1 settings -------------------------------------------------------------
 
 
-def _merged() -> dict[str, Any] | None:
-    user = getattr(settings, "IDEMPOTENCY", {})
-    return {**DEFAULTS, **user} if isinstance(user, dict) else None
+def _not_a_dict(c: Context) -> Iterator[Finding]:
+    if not c.valid:
+        yield {}
 
 
-@register(Tags.compatibility)
-def check_outbox_settings(
-    app_configs: Sequence[Any] | None = None, **kwargs: Any
-) -> list[CheckMessage]:
-    merged = _merged()
-    if merged is None:
-        return []  # E001 already says IDEMPOTENCY is not a dict
-    errors = _check_publishers(merged["OUTBOX_PUBLISHERS"])
-    for name in _OUTBOX_COUNTS:
-        if not _is_int(merged[name]) or merged[name] <= 0:
-            errors.append(
-                Error(
-                    f"IDEMPOTENCY[{name!r}] must be a positive integer, not {merged[name]!r}.",
-                    hint=f"Remove it to use the default, {DEFAULTS[name]!r}.",
-                    id=E022,
-                )
-            )
-    for name in _OUTBOX_DURATIONS:
-        if not _is_number(merged[name]) or merged[name] <= 0:
-            errors.append(
-                Error(
-                    f"IDEMPOTENCY[{name!r}] must be a positive number of seconds, "
-                    f"not {merged[name]!r}.",
-                    hint=f"Remove it to use the default, {DEFAULTS[name]!r}.",
-                    id=E023,
-                )
-            )
-    base, cap = merged["OUTBOX_BACKOFF_BASE_SECONDS"], merged["OUTBOX_BACKOFF_MAX_SECONDS"]
-    if _is_number(base) and _is_number(cap) and 0 < cap < base:
-        errors.append(
-            Error(
-                f"IDEMPOTENCY['OUTBOX_BACKOFF_MAX_SECONDS'] ({cap}) is below "
-                f"OUTBOX_BACKOFF_BASE_SECONDS ({base}).",
-                hint="The cap must be at least the first delay.",
-                id=E024,
-            )
-        )
-    errors += _check_kick(merged["OUTBOX_KICK"])
-    for name in _OUTBOX_BOOLEANS:
-        if not isinstance(merged[name], bool):
-            errors.append(
-                Error(f"IDEMPOTENCY[{name!r}] must be True or False.", hint=None, id=E026)
-            )
-    return errors
+def _unknown_keys(c: Context) -> Iterator[Finding]:
+    for name in sorted(set(c.user) - set(DEFAULTS), key=str):
+        yield {"name": name}
 
 
-def _check_publishers(routes: Any) -> list[CheckMessage]:
-    from django_idempotency.publishers.base import Publisher
-    from django_idempotency.publishers.routing import parse_spec
+def _bad_numbers(
+    *names: str, whole: bool = False, zero: bool = False
+) -> Callable[[Context], Iterator[Finding]]:
+    """Settings that are not numbers (``whole``: integers) above zero (``zero``: or equal)."""
+    parse = _integer if whole else _number
 
-    if not isinstance(routes, dict) or not all(isinstance(name, str) for name in routes):
-        return [
-            Error(
-                "IDEMPOTENCY['OUTBOX_PUBLISHERS'] must be a dict of topic pattern -> publisher.",
-                hint="For example {'*': 'django_idempotency.publishers.celery.CeleryPublisher'}.",
-                id=E020,
-            )
-        ]
-    errors: list[CheckMessage] = []
-    for pattern, spec in routes.items():
+    def condition(c: Context) -> Iterator[Finding]:
+        for name in names:
+            number = parse(name, c.merged)
+            if number is None or number < 0 or (number == 0 and not zero):
+                yield {
+                    "name": name,
+                    "value": _shown(c.merged[name], number),
+                    "default": DEFAULTS[name],
+                }
+
+    return condition
+
+
+def _not_booleans(*names: str) -> Callable[[Context], Iterator[Finding]]:
+    def condition(c: Context) -> Iterator[Finding]:
+        for name in names:
+            try:
+                parse_bool(name, c.merged[name])
+            except IdempotencyConfigurationError:
+                yield {"name": name, "kind": type(c.merged[name]).__name__}
+
+    return condition
+
+
+def _ttl_below_lease(c: Context) -> Iterator[Finding]:
+    lease, ttl = _number("LEASE_SECONDS", c.merged), _number("TTL_SECONDS", c.merged)
+    if lease is not None and ttl is not None and 0 < ttl < lease:
+        yield {"ttl": c.merged["TTL_SECONDS"], "lease": c.merged["LEASE_SECONDS"]}
+
+
+def _importable_callable(
+    name: str, *, optional: bool = False
+) -> Callable[[Context], Iterator[Finding]]:
+    def condition(c: Context) -> Iterator[Finding]:
+        value = c.merged[name]
+        if value is None and optional:
+            return
         try:
-            route = parse_spec(pattern, spec)
-        except ImproperlyConfigured as exc:
-            errors.append(Error(str(exc), hint="See docs/outbox.md, 'Publishers'.", id=E020))
-            continue
-        try:
-            backend = import_string(route.backend)
+            found = import_string(value) if isinstance(value, str) else value
         except ImportError as exc:
-            errors.append(
-                Error(
-                    f"IDEMPOTENCY['OUTBOX_PUBLISHERS'][{pattern!r}] = {route.backend!r} does "
-                    f"not import: {exc}.",
-                    hint="Install the publisher's extra (celery, amqp, webhook) or fix the path.",
-                    id=E021,
-                )
-            )
+            yield {"value": value, "problem": f"does not import: {exc}"}
+            return
+        if not callable(found):
+            yield {"value": value, "problem": "is not callable"}
+
+    return condition
+
+
+def _not_status_codes(c: Context) -> Iterator[Finding]:
+    value = c.merged["STORED_STATUS_CODES"]
+    valid = isinstance(value, Iterable) and not isinstance(value, str | bytes)
+    if valid:
+        codes = list(value)
+        valid = bool(codes) and all(
+            isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599
+            for code in codes
+        )
+    if not valid:
+        yield {}
+
+
+def _header_list(value: Any) -> list[str] | None:
+    """The names, when ``value`` is a list of valid header names; None otherwise."""
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        return None
+    names = list(value)
+    if all(isinstance(name, str) and _TOKEN.match(name) for name in names):
+        return names
+    return None
+
+
+def _not_header_names(c: Context) -> Iterator[Finding]:
+    if _header_list(c.merged["STORED_RESPONSE_HEADERS"]) is None:
+        yield {}
+
+
+def _never_stored_headers(c: Context) -> Iterator[Finding]:
+    names = _header_list(c.merged["STORED_RESPONSE_HEADERS"]) or []
+    sensitive = sorted(name for name in names if name.lower() in SENSITIVE_HEADERS)
+    if sensitive:
+        yield {"names": ", ".join(sensitive)}
+
+
+def _bad_header_settings(c: Context) -> Iterator[Finding]:
+    for name in ("HEADER", "REPLAY_HEADER"):
+        value = c.merged[name]
+        if not isinstance(value, str) or not _TOKEN.match(value):
+            yield {"name": name, "value": value}
+
+
+def _bad_middleware_paths(c: Context) -> Iterator[Finding]:
+    paths = c.merged["MIDDLEWARE_PATHS"]
+    if isinstance(paths, str) or not isinstance(paths, Iterable):
+        yield {}
+        return
+    for pattern in paths:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError):
+            yield {}
+            return
+
+
+def _bad_middleware_methods(c: Context) -> Iterator[Finding]:
+    methods = c.merged["MIDDLEWARE_METHODS"]
+    if (
+        isinstance(methods, str)
+        or not isinstance(methods, Iterable)
+        or not all(isinstance(method, str) and _TOKEN.match(method) for method in methods)
+    ):
+        yield {}
+
+
+def _bad_credential_scope(c: Context) -> Iterator[Finding]:
+    try:
+        parse_credential_scope(c.merged["CREDENTIAL_SCOPE"])
+    except IdempotencyConfigurationError:
+        yield {"kind": type(c.merged["CREDENTIAL_SCOPE"]).__name__}
+
+
+def _bad_credential_headers(c: Context) -> Iterator[Finding]:
+    value = c.merged["CREDENTIAL_HEADERS"]
+    if not isinstance(value, list | tuple) or _header_list(value) is None:
+        yield {"name": "CREDENTIAL_HEADERS", "kind": type(value).__name__}
+
+
+# --- conditions: the project around the app --------------------------------------------------
+
+
+def _view_middleware_after_ours(c: Context) -> Iterator[Finding]:
+    middleware = _middleware()
+    if MIDDLEWARE not in middleware:
+        return
+    for path in middleware[middleware.index(MIDDLEWARE) + 1 :]:
+        try:
+            found = import_string(path)
+        except Exception:  # a path that does not import is Django's own error to report
             continue
-        if not (isinstance(backend, type) and issubclass(backend, Publisher)):
-            errors.append(
-                Error(
-                    f"IDEMPOTENCY['OUTBOX_PUBLISHERS'][{pattern!r}] = {route.backend!r} is not "
-                    "a Publisher subclass.",
-                    hint="Subclass django_idempotency.publishers.Publisher.",
-                    id=E021,
-                )
-            )
-    return errors
+        if callable(getattr(found, "process_view", None)):
+            yield {"path": path}
 
 
-def _check_kick(value: Any) -> list[CheckMessage]:
-    if value is None:
+def _before_authentication(c: Context) -> Iterator[Finding]:
+    middleware = _middleware()
+    if (
+        MIDDLEWARE in middleware
+        and _AUTHENTICATION_MIDDLEWARE in middleware
+        and middleware.index(MIDDLEWARE) < middleware.index(_AUTHENTICATION_MIDDLEWARE)
+    ):
+        yield {}
+
+
+def _sqlite_without_immediate(c: Context) -> Iterator[Finding]:
+    """Reads each alias's ENGINE and OPTIONS; loading a backend module does not connect."""
+    from django.db import connections
+    from django.db.utils import load_backend
+
+    for alias, settings_dict in connections.settings.items():
+        try:
+            vendor = load_backend(settings_dict["ENGINE"]).DatabaseWrapper.vendor
+        except Exception:  # an ENGINE that does not load is Django's own error to report
+            continue
+        options = settings_dict.get("OPTIONS") or {}
+        mode = str(options.get("transaction_mode") or "").upper()
+        if vendor == "sqlite" and mode != "IMMEDIATE":
+            yield {"alias": alias}
+
+
+def _records_routed_away(c: Context) -> Iterator[Finding]:
+    from django.db import DEFAULT_DB_ALIAS, connections, router
+
+    from django_idempotency.models import IdempotencyRecord
+
+    alias = router.db_for_write(IdempotencyRecord)
+    if alias != DEFAULT_DB_ALIAS and DEFAULT_DB_ALIAS in connections.settings:
+        yield {"alias": alias}
+
+
+def _naive_datetimes(c: Context) -> Iterator[Finding]:
+    if not settings.USE_TZ:
+        yield {}
+
+
+def _is_default_resolver(value: Any) -> bool:
+    if isinstance(value, str):
+        return value in _DEFAULT_RESOLVERS
+    path = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+    return path in _DEFAULT_RESOLVERS
+
+
+def _drf_credential_classes() -> list[str]:
+    """DRF's authentication classes (its defaults applied) that are not session based."""
+    if not importable("rest_framework"):
         return []
     try:
-        kick = import_string(value) if isinstance(value, str) else value
-    except ImportError as exc:
-        kick, problem = None, f"does not import: {exc}"
-    else:
-        problem = "is not callable"
-    if callable(kick):
+        from rest_framework.authentication import SessionAuthentication
+        from rest_framework.settings import api_settings
+
+        classes: list[Any] = list(api_settings.DEFAULT_AUTHENTICATION_CLASSES)
+    except ImportError:  # a class that does not import is DRF's own error to report
         return []
     return [
-        Error(
-            f"IDEMPOTENCY['OUTBOX_KICK'] = {value!r} {problem}.",
-            hint="Use the dotted path of a callable taking the database alias, or None.",
-            id=E025,
-        )
+        f"{cls.__module__}.{cls.__qualname__}"
+        for cls in classes
+        if not (isinstance(cls, type) and issubclass(cls, SessionAuthentication))
     ]
 
 
-@register(Tags.compatibility)
-def check_consumers(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
-    """Idempotent Celery tasks: acks_late, and markers kept as long as a redelivery can come.
+def _credentials_behind_middleware(c: Context) -> Iterator[Finding]:
+    try:
+        scope = parse_credential_scope(c.merged["CREDENTIAL_SCOPE"])
+    except IdempotencyConfigurationError:
+        return  # E014 says so
+    if (
+        MIDDLEWARE in _middleware()
+        and c.merged["MIDDLEWARE_PATHS"]
+        and _is_default_resolver(c.merged["SCOPE_RESOLVER"])
+        and scope == "digest"
+    ):
+        classes = _drf_credential_classes()
+        if classes:
+            yield {"classes": ", ".join(classes)}
 
-    Reads the current Celery app, the one ``manage.py`` and the worker load from the project.
-    """
-    merged = _merged()
+
+# --- conditions: outbox and consumers ----------------------------------------------------------
+
+
+def _routes(c: Context) -> dict[str, Any] | None:
+    """OUTBOX_PUBLISHERS when it is a dict keyed by patterns (else E020 says what is wrong)."""
+    routes = c.merged["OUTBOX_PUBLISHERS"]
+    if isinstance(routes, dict) and all(isinstance(pattern, str) for pattern in routes):
+        return routes
+    return None
+
+
+def _bad_routes(c: Context) -> Iterator[Finding]:
+    from django_idempotency.publishers.routing import SETTING, route_setting, spec_problem
+
+    routes = _routes(c)
+    if routes is None:
+        yield {
+            "where": SETTING,
+            "problem": "must be a dict of topic pattern -> dotted path or "
+            "{'BACKEND': 'dotted.path', 'OPTIONS': {...}}",
+        }
+        return
+    for pattern, spec in routes.items():
+        problem = spec_problem(spec)
+        if problem is not None:
+            yield {"where": route_setting(pattern), "problem": problem}
+
+
+def _publisher_classes(c: Context) -> Iterator[tuple[str, Any, Any]]:
+    """(pattern, route, the imported backend or the ImportError) for each well-formed route."""
+    from django_idempotency.publishers.routing import parse_spec, spec_problem
+
+    for pattern, spec in (_routes(c) or {}).items():
+        if spec_problem(spec) is not None:
+            continue
+        route = parse_spec(pattern, spec)
+        try:
+            backend: Any = import_string(route.backend)
+        except ImportError as exc:
+            backend = exc
+        yield pattern, route, backend
+
+
+def _bad_publishers(c: Context) -> Iterator[Finding]:
+    from django_idempotency.publishers.base import Publisher
+    from django_idempotency.publishers.routing import route_setting
+
+    for pattern, route, backend in _publisher_classes(c):
+        if isinstance(backend, ImportError):
+            problem = f"does not import: {backend}"
+        elif not (isinstance(backend, type) and issubclass(backend, Publisher)):
+            problem = "is not a Publisher subclass"
+        else:
+            continue
+        yield {"where": route_setting(pattern), "backend": route.backend, "problem": problem}
+
+
+def _options_refused(c: Context) -> Iterator[Finding]:
+    from django_idempotency.publishers.base import Publisher
+    from django_idempotency.publishers.routing import options_problem, route_setting
+
+    for pattern, route, backend in _publisher_classes(c):
+        if isinstance(backend, type) and issubclass(backend, Publisher):
+            problem = options_problem(backend, route.options)
+            if problem is not None:
+                yield {
+                    "where": route_setting(pattern),
+                    "publisher": backend.__name__,
+                    "problem": problem,
+                }
+
+
+def _no_catch_all(c: Context) -> Iterator[Finding]:
+    routes = _routes(c)
+    if routes is None or any(pattern and not pattern.strip("*") for pattern in routes):
+        return
+    patterns = ", ".join(repr(pattern) for pattern in routes)
+    yield {"routed": f"only {patterns}" if patterns else "none"}
+
+
+def _kick_without_publishers(c: Context) -> Iterator[Finding]:
+    if c.user.get("OUTBOX_KICK") is not None and _routes(c) == {}:
+        yield {}
+
+
+def _kick_without_celery(c: Context) -> Iterator[Finding]:
+    if (
+        c.merged["OUTBOX_KICK"] == DEFAULTS["OUTBOX_KICK"]
+        and _routes(c)
+        and not importable("celery")
+    ):
+        yield {}
+
+
+def _backoff_cap_below_base(c: Context) -> Iterator[Finding]:
+    base = _number("OUTBOX_BACKOFF_BASE_SECONDS", c.merged)
+    cap = _number("OUTBOX_BACKOFF_MAX_SECONDS", c.merged)
+    if base is not None and cap is not None and 0 < cap < base:
+        yield {
+            "cap": c.merged["OUTBOX_BACKOFF_MAX_SECONDS"],
+            "base": c.merged["OUTBOX_BACKOFF_BASE_SECONDS"],
+        }
+
+
+def _consumer_tasks() -> list[Any]:
+    """Idempotent consumer tasks of the current Celery app, the one ``manage.py`` and the
+    worker load from the project (none without Celery)."""
     try:
         from celery import current_app
     except ImportError:  # pragma: no cover - exercised only without Celery installed
-        return []
-    if merged is None:
         return []
     try:
         registered = list(current_app.tasks.values())
     except RuntimeError:  # an app with autofinalize=False, not finalized yet
         registered = []
-    tasks = [
+    return [
         task
         for task in registered
         if getattr(getattr(task, "run", None), "__idempotent_consumer__", False)
     ]
-    warnings: list[CheckMessage] = []
-    for task in tasks:
+
+
+def _early_acks(c: Context) -> Iterator[Finding]:
+    for task in _consumer_tasks():
         if not task.acks_late:
-            warnings.append(
-                Warning(
-                    f"Idempotent consumer task {task.name!r} runs without acks_late.",
-                    hint=(
-                        "Use @shared_task(acks_late=True) (or task_acks_late = True): "
-                        "otherwise a worker that dies mid-task has already acknowledged the "
-                        "message and it is lost, not redelivered."
-                    ),
-                    id=W021,
-                )
-            )
-        elif not task.reject_on_worker_lost:
-            warnings.append(
-                Warning(
-                    f"Idempotent consumer task {task.name!r} runs without reject_on_worker_lost.",
-                    hint=(
-                        "Use @shared_task(acks_late=True, reject_on_worker_lost=True) (or "
-                        "task_reject_on_worker_lost = True): with the prefork pool, Celery "
-                        "acknowledges the message of a pool process that died mid-task, and it "
-                        "is lost. Silence this only for a worker pool that is not prefork."
-                    ),
-                    id=W023,
-                )
-            )
-    horizon, source = _redelivery_horizon(current_app, tasks, merged)
-    retention = merged["INBOX_RETENTION_SECONDS"]
-    if _is_number(retention) and retention < horizon:
-        warnings.append(
-            Warning(
-                f"IDEMPOTENCY['INBOX_RETENTION_SECONDS'] ({retention}) is shorter than "
-                f"{source} ({horizon:g} s).",
-                hint=(
-                    "A message redelivered after its marker was swept runs again. Keep "
-                    "INBOX_RETENTION_SECONDS above the longest time a message can come back."
-                ),
-                id=W020,
-            )
-        )
-    return warnings
+            yield {"task": task.name}
 
 
-def _redelivery_horizon(app: Any, tasks: list[Any], merged: dict[str, Any]) -> tuple[float, str]:
+def _lost_with_worker(c: Context) -> Iterator[Finding]:
+    for task in _consumer_tasks():
+        if task.acks_late and not task.reject_on_worker_lost:
+            yield {"task": task.name}
+
+
+def _retention_below_redelivery(c: Context) -> Iterator[Finding]:
+    try:
+        from celery import current_app
+    except ImportError:  # pragma: no cover - exercised only without Celery installed
+        return
+    retention = _number("INBOX_RETENTION_SECONDS", c.merged)
+    horizon, source = _redelivery_horizon(current_app, _consumer_tasks(), c.merged)
+    if retention is not None and retention < horizon:
+        yield {
+            "retention": c.merged["INBOX_RETENTION_SECONDS"],
+            "source": source,
+            "horizon": horizon,
+        }
+
+
+def _redelivery_horizon(app: Any, tasks: list[Any], merged: Mapping[str, Any]) -> tuple[float, str]:
     """The longest a message may come back after it was first handled, and what sets it."""
     candidates: list[tuple[float, str]] = [(0.0, "")]
     options = app.conf.broker_transport_options or {}
@@ -595,39 +591,410 @@ def _redelivery_horizon(app: Any, tasks: list[Any], merged: dict[str, Any]) -> t
         retries = task.max_retries or 0
         delay = task.default_retry_delay or 0
         candidates.append((float(retries * delay), f"the retry span of {task.name!r}"))
-    base, cap, attempts = (
-        merged["OUTBOX_BACKOFF_BASE_SECONDS"],
-        merged["OUTBOX_BACKOFF_MAX_SECONDS"],
-        merged["OUTBOX_MAX_ATTEMPTS"],
-    )
-    if _is_number(base) and _is_number(cap) and _is_int(attempts):
+    base = _number("OUTBOX_BACKOFF_BASE_SECONDS", merged)
+    cap = _number("OUTBOX_BACKOFF_MAX_SECONDS", merged)
+    attempts = _integer("OUTBOX_MAX_ATTEMPTS", merged)
+    if base is not None and cap is not None and attempts is not None:
         span = sum(min(cap, base * 2 ** min(n, 62)) for n in range(max(attempts - 1, 0)))
         candidates.append((float(span), "the outbox's retry span (OUTBOX_BACKOFF_*)"))
     return max(candidates)
 
 
-@register(Tags.database)
-def check_skip_locked(
-    app_configs: Sequence[Any] | None = None, **kwargs: Any
-) -> list[CheckMessage]:
-    """Without SKIP LOCKED, relays running side by side queue on each other's rows."""
+def _no_skip_locked(c: Context) -> Iterator[Finding]:
+    """Asks the connection's features, so it runs only for the databases Django names."""
     from django.db import connections, router
 
     from django_idempotency.models import OutboxEvent
 
     alias = router.db_for_write(OutboxEvent)
-    if alias not in (kwargs.get("databases") or ()):
-        return []
+    if alias not in (c.databases or ()):
+        return
     features = connections[alias].features
-    if features.has_select_for_update_skip_locked or not features.has_select_for_update:
-        return []
-    return [
-        Warning(
-            f"Database {alias!r} has no SELECT ... FOR UPDATE SKIP LOCKED.",
-            hint=(
-                "Outbox relays stay correct but wait on each other; run one relay, or use "
-                "PostgreSQL, MariaDB 10.6+ or MySQL 8."
-            ),
-            id=W022,
-        )
-    ]
+    if features.has_select_for_update and not features.has_select_for_update_skip_locked:
+        yield {"alias": alias}
+
+
+# --- conditions: Redis fast path and operations ------------------------------------------------
+
+
+def _cache(c: Context) -> tuple[str, Mapping[str, Any]] | None:
+    """(alias, its CACHES entry) when CACHE_ALIAS names a configured cache."""
+    alias = c.merged["CACHE_ALIAS"]
+    caches = getattr(settings, "CACHES", {})
+    if isinstance(alias, str) and alias in caches:
+        return alias, caches[alias]
+    return None
+
+
+def _unknown_cache(c: Context) -> Iterator[Finding]:
+    alias = c.merged["CACHE_ALIAS"]
+    if alias is not None and _cache(c) is None:
+        yield {"alias": alias}
+
+
+def _not_django_redis(c: Context) -> Iterator[Finding]:
+    found = _cache(c)
+    if found is not None and found[1].get("BACKEND") != _DJANGO_REDIS_BACKEND:
+        yield {"alias": found[0], "backend": found[1].get("BACKEND")}
+
+
+def _no_socket_timeouts(c: Context) -> Iterator[Finding]:
+    found = _cache(c)
+    if found is None or found[1].get("BACKEND") != _DJANGO_REDIS_BACKEND:
+        return
+    options = found[1].get("OPTIONS") or {}
+    if not options.get("SOCKET_TIMEOUT") or not options.get("SOCKET_CONNECT_TIMEOUT"):
+        yield {"alias": found[0]}
+
+
+def _on_without_package(name: str, module: str) -> Callable[[Context], Iterator[Finding]]:
+    """The setting asked for explicitly (a default of True does not insist) but not installed."""
+
+    def condition(c: Context) -> Iterator[Finding]:
+        if name not in c.user:
+            return
+        try:
+            wanted = parse_bool(name, c.user[name])
+        except IdempotencyConfigurationError:
+            return  # E060 says so
+        if wanted and not importable(module):
+            yield {}
+
+    return condition
+
+
+_DURATIONS = (
+    "OUTBOX_RELAY_LEASE_SECONDS",
+    "OUTBOX_BACKOFF_BASE_SECONDS",
+    "OUTBOX_BACKOFF_MAX_SECONDS",
+    "OUTBOX_POLL_SECONDS",
+    "OUTBOX_RETENTION_SECONDS",
+    "INBOX_RETENTION_SECONDS",
+)
+
+#: The request layer's settings (:func:`check_settings` runs these).
+SETTINGS_CHECKS: tuple[Check, ...] = (
+    Check(
+        E001,
+        _not_a_dict,
+        "IDEMPOTENCY must be a dict.",
+        "Set IDEMPOTENCY = {{...}} with the settings to change, or remove it.",
+        reads_settings=False,
+    ),
+    Check(
+        W001,
+        _unknown_keys,
+        "IDEMPOTENCY[{name!r}] is not a known setting and is ignored.",
+        "Check its spelling against the settings reference.",
+    ),
+    Check(
+        E002,
+        _bad_numbers("LEASE_SECONDS"),
+        "IDEMPOTENCY['LEASE_SECONDS'] must be a positive number of seconds, not {value}.",
+        "Set it a little above the longest time an idempotent view takes, for example 30.",
+    ),
+    Check(
+        E003,
+        _bad_numbers("TTL_SECONDS"),
+        "IDEMPOTENCY['TTL_SECONDS'] must be a positive number of seconds, not {value}.",
+        "Set it to how long clients may retry, for example 86400 (24 hours).",
+    ),
+    Check(
+        E004,
+        _ttl_below_lease,
+        "IDEMPOTENCY['TTL_SECONDS'] ({ttl}) is shorter than LEASE_SECONDS ({lease}).",
+        "A key must outlive the lease of the request that holds it.",
+    ),
+    Check(
+        E005,
+        _importable_callable("SCOPE_RESOLVER"),
+        "IDEMPOTENCY['SCOPE_RESOLVER'] = {value!r} {problem}.",
+        "Use the dotted path of a callable taking the request and returning a str.",
+    ),
+    Check(
+        E006,
+        _not_status_codes,
+        "IDEMPOTENCY['STORED_STATUS_CODES'] must be a collection of HTTP status codes.",
+        "For example range(100, 500), the default, which stores all but 5xx.",
+    ),
+    Check(
+        E007,
+        _not_header_names,
+        "IDEMPOTENCY['STORED_RESPONSE_HEADERS'] must be a list of header names.",
+        "For example ['Content-Type', 'Location'].",
+    ),
+    Check(
+        W002,
+        _never_stored_headers,
+        "IDEMPOTENCY['STORED_RESPONSE_HEADERS'] lists {names}, which are never stored.",
+        "Remove them: replaying cookies or credentials would leak them.",
+    ),
+    Check(
+        E008,
+        _bad_numbers("MAX_RESPONSE_BYTES", whole=True, zero=True),
+        "IDEMPOTENCY['MAX_RESPONSE_BYTES'] must be a non-negative integer, not {value}.",
+        "Responses larger than this are recorded without their body.",
+    ),
+    Check(
+        E009,
+        _bad_header_settings,
+        "IDEMPOTENCY[{name!r}] must be an HTTP header name, not {value!r}.",
+        "Use letters, digits and dashes, for example 'Idempotency-Key'.",
+    ),
+    Check(
+        E010,
+        _bad_middleware_paths,
+        "IDEMPOTENCY['MIDDLEWARE_PATHS'] must be a list of regular expressions.",
+        "For example [r'^/api/payments/'].",
+    ),
+    Check(
+        E011,
+        _not_booleans("KEY_REQUIRED", "LEASE_HEARTBEAT", "LOG_KEYS"),
+        BOOLEAN_MESSAGE,
+    ),
+    Check(
+        E012,
+        _bad_middleware_methods,
+        "IDEMPOTENCY['MIDDLEWARE_METHODS'] must be a list of HTTP methods.",
+        "For example ['POST', 'PATCH'].",
+    ),
+    Check(
+        E014,
+        _bad_credential_scope,
+        CREDENTIAL_SCOPE_MESSAGE,
+        "'digest' scopes an anonymous request that carries credentials by a keyed digest of "
+        "them; 'refuse' answers it 400.",
+    ),
+    Check(
+        E015,
+        _bad_credential_headers,
+        HEADER_NAMES_MESSAGE,
+        "For example ('Authorization',), or ('Authorization', 'X-Api-Key').",
+    ),
+)
+
+#: The project around the app: middleware, databases, time zones, REST framework.
+PROJECT_CHECKS: tuple[Check, ...] = (
+    Check(
+        E013,
+        _view_middleware_after_ours,
+        f"{{path}} comes after {MIDDLEWARE} in MIDDLEWARE and defines process_view: "
+        "IdempotencyMiddleware calls the view itself from its own process_view, so that one "
+        "would never run.",
+        "Put IdempotencyMiddleware last in MIDDLEWARE.",
+        reads_settings=False,
+    ),
+    Check(
+        W003,
+        _sqlite_without_immediate,
+        "Database {alias!r} is SQLite without IMMEDIATE transactions: concurrent requests fail "
+        "with 'database is locked' (503 idempotency_store_unavailable) instead of waiting.",
+        "Set DATABASES[{alias!r}]['OPTIONS'] = {{'transaction_mode': 'IMMEDIATE', "
+        "'timeout': 20}} (Django 5.1+), or use PostgreSQL in production.",
+        reads_settings=False,
+    ),
+    Check(
+        W004,
+        _before_authentication,
+        "IdempotencyMiddleware comes before AuthenticationMiddleware.",
+        "Move it after AuthenticationMiddleware so keys are scoped by user.",
+        reads_settings=False,
+    ),
+    Check(
+        W005,
+        _records_routed_away,
+        "IdempotencyRecord is routed to database {alias!r}, not 'default': a view's writes to "
+        "another database and its stored response commit in two transactions, so exactly-once "
+        "holds only for the writes in {alias!r}.",
+        "Route IdempotencyRecord to the database your idempotent views write to, or accept "
+        "that writes elsewhere may happen twice after a crash between the two commits.",
+        reads_settings=False,
+    ),
+    Check(
+        W006,
+        _naive_datetimes,
+        "USE_TZ is False: leases are measured by the database clock in UTC.",
+        "Set USE_TZ = True.",
+        reads_settings=False,
+    ),
+    Check(
+        W007,
+        _credentials_behind_middleware,
+        "IdempotencyMiddleware guards MIDDLEWARE_PATHS with the default SCOPE_RESOLVER, and "
+        "REST framework authenticates with {classes}: behind the middleware those clients are "
+        "scoped by a digest of their credentials, not by user.",
+        "Use IdempotencyMixin, or @idempotent below @api_view, for user scopes; or set "
+        "IDEMPOTENCY['CREDENTIAL_SCOPE'] = 'refuse' to answer them 400.",
+    ),
+)
+
+OUTBOX_CHECKS: tuple[Check, ...] = (
+    Check(E020, _bad_routes, "{where} {problem}.", "See docs/outbox.md, 'Publishers'."),
+    Check(
+        E021,
+        _bad_publishers,
+        "{where} = {backend!r} {problem}.",
+        "Install the publisher's extra (celery, amqp, webhook), fix the path, or subclass "
+        "django_idempotency.publishers.Publisher.",
+    ),
+    Check(
+        E028,
+        _options_refused,
+        "{where}: {publisher} does not accept these OPTIONS: {problem}.",
+        "Spell the OPTIONS as the publisher's documentation names them.",
+    ),
+    Check(
+        W024,
+        _no_catch_all,
+        "IDEMPOTENCY['OUTBOX_PUBLISHERS'] has no catch-all '*' route (routed: {routed}): "
+        "publish() of a topic no pattern matches raises UnroutableTopic.",
+        "Add a '*' route, or silence this check when every topic the project publishes has "
+        "its pattern (or it publishes nothing).",
+    ),
+    Check(
+        E027,
+        _kick_without_publishers,
+        "IDEMPOTENCY['OUTBOX_KICK'] is set but OUTBOX_PUBLISHERS is empty: every publish() "
+        "raises UnroutableTopic.",
+        "Route topics to a publisher, for example {{'*': "
+        "'django_idempotency.publishers.celery.CeleryPublisher'}}, or remove OUTBOX_KICK.",
+    ),
+    Check(
+        W025,
+        _kick_without_celery,
+        "Celery is not installed, so the default OUTBOX_KICK relays the outbox in a "
+        "background thread of each process that publishes.",
+        "Install Celery and run a worker with the beat schedule, or set OUTBOX_KICK = None "
+        "and run `manage.py outbox_relay --loop`; silence this check to keep the thread.",
+    ),
+    Check(
+        E022,
+        _bad_numbers("OUTBOX_BATCH_SIZE", "OUTBOX_MAX_ATTEMPTS", "SWEEP_BATCH_SIZE", whole=True),
+        "IDEMPOTENCY[{name!r}] must be a positive integer, not {value}.",
+        "Remove it to use the default, {default!r}.",
+    ),
+    Check(
+        E023,
+        _bad_numbers(*_DURATIONS),
+        "IDEMPOTENCY[{name!r}] must be a positive number of seconds, not {value}.",
+        "Remove it to use the default, {default!r}.",
+    ),
+    Check(
+        E024,
+        _backoff_cap_below_base,
+        "IDEMPOTENCY['OUTBOX_BACKOFF_MAX_SECONDS'] ({cap}) is below "
+        "OUTBOX_BACKOFF_BASE_SECONDS ({base}).",
+        "The cap must be at least the first delay.",
+    ),
+    Check(
+        E025,
+        _importable_callable("OUTBOX_KICK", optional=True),
+        "IDEMPOTENCY['OUTBOX_KICK'] = {value!r} {problem}.",
+        "Use the dotted path of a callable taking the database alias, or None.",
+    ),
+    Check(E026, _not_booleans("OUTBOX_REQUIRE_ATOMIC", "OUTBOX_NOTIFY"), BOOLEAN_MESSAGE),
+    Check(
+        W020,
+        _retention_below_redelivery,
+        "IDEMPOTENCY['INBOX_RETENTION_SECONDS'] ({retention}) is shorter than {source} "
+        "({horizon:g} s).",
+        "A message redelivered after its marker was swept runs again. Keep "
+        "INBOX_RETENTION_SECONDS above the longest time a message can come back.",
+    ),
+    Check(
+        W021,
+        _early_acks,
+        "Idempotent consumer task {task!r} runs without acks_late.",
+        "Use @shared_task(acks_late=True) (or task_acks_late = True): otherwise a worker that "
+        "dies mid-task has already acknowledged the message and it is lost, not redelivered.",
+    ),
+    Check(
+        W023,
+        _lost_with_worker,
+        "Idempotent consumer task {task!r} runs without reject_on_worker_lost.",
+        "Use @shared_task(acks_late=True, reject_on_worker_lost=True) (or "
+        "task_reject_on_worker_lost = True): with the prefork pool, Celery acknowledges the "
+        "message of a pool process that died mid-task, and it is lost. Silence this only for "
+        "a worker pool that is not prefork.",
+    ),
+    Check(
+        W022,
+        _no_skip_locked,
+        "Database {alias!r} has no SELECT ... FOR UPDATE SKIP LOCKED.",
+        "Outbox relays stay correct but wait on each other; run one relay, or use "
+        "PostgreSQL, MariaDB 10.6+ or MySQL 8.",
+        tags=(Tags.database,),
+    ),
+)
+
+FAST_PATH_CHECKS: tuple[Check, ...] = (
+    Check(
+        E042,
+        _bad_numbers("CACHE_RETRY_SECONDS", zero=True),
+        "IDEMPOTENCY['CACHE_RETRY_SECONDS'] must be a number of seconds >= 0, not {value}.",
+        "0 retries Redis on every request; the default is 5.",
+        tags=(Tags.caches,),
+    ),
+    Check(
+        E040,
+        _unknown_cache,
+        "IDEMPOTENCY['CACHE_ALIAS'] = {alias!r} is not an alias in CACHES.",
+        "Name a django-redis cache from CACHES, or set it to None for the database only.",
+        tags=(Tags.caches,),
+    ),
+    Check(
+        E041,
+        _not_django_redis,
+        "CACHES[{alias!r}] (IDEMPOTENCY['CACHE_ALIAS']) uses {backend!r}; the fast path needs "
+        f"{_DJANGO_REDIS_BACKEND!r}.",
+        "pip install 'django-idempotency[redis]' and set that BACKEND.",
+        tags=(Tags.caches,),
+    ),
+    Check(
+        W040,
+        _no_socket_timeouts,
+        "CACHES[{alias!r}] (IDEMPOTENCY['CACHE_ALIAS']) sets no SOCKET_TIMEOUT or "
+        "SOCKET_CONNECT_TIMEOUT: a Redis that hangs would hang every idempotent request.",
+        "Set OPTIONS = {{'SOCKET_CONNECT_TIMEOUT': 0.1, 'SOCKET_TIMEOUT': 0.1}}; on a timeout "
+        "the request falls back to the database.",
+        tags=(Tags.caches,),
+    ),
+)
+
+OPERATIONS_CHECKS: tuple[Check, ...] = (
+    Check(E060, _not_booleans("REGISTER_ADMIN", "METRICS", "TRACING"), BOOLEAN_MESSAGE),
+    Check(
+        W060,
+        _on_without_package("METRICS", "prometheus_client"),
+        "IDEMPOTENCY['METRICS'] is True but prometheus_client is not installed, so it has no "
+        "effect.",
+        "pip install 'django-idempotency[metrics]', or remove the setting.",
+    ),
+    Check(
+        W061,
+        _on_without_package("TRACING", "opentelemetry.trace"),
+        "IDEMPOTENCY['TRACING'] is True but opentelemetry is not installed, so it has no effect.",
+        "pip install 'django-idempotency[otel]', or remove the setting.",
+    ),
+)
+
+#: Every check, in the order ``manage.py check`` reports them.
+CHECKS: tuple[Check, ...] = (
+    *SETTINGS_CHECKS,
+    *PROJECT_CHECKS,
+    *OUTBOX_CHECKS,
+    *FAST_PATH_CHECKS,
+    *OPERATIONS_CHECKS,
+)
+BY_ID: dict[str, Check] = {check.id: check for check in CHECKS}
+
+
+def register_all() -> None:
+    """Register every row with Django's check framework (``AppConfig.ready()`` calls this)."""
+    for check in CHECKS:
+        register(check, *check.tags)
+
+
+def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """The request layer's settings checks, run directly (the rows are also registered)."""
+    return [message for check in SETTINGS_CHECKS for message in check(app_configs, **kwargs)]

@@ -5,8 +5,9 @@ Nothing is cached or bound at import, so ``override_settings(IDEMPOTENCY=...)`` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from django.conf import settings
 from django.utils.module_loading import import_string
@@ -26,8 +27,6 @@ DEFAULTS: dict[str, Any] = {
     "TTL_SECONDS": 86400,
     "SCOPE_RESOLVER": "django_idempotency.request.scopes.user_scope",
     "ANONYMOUS_SCOPE": "anonymous",
-    "CREDENTIAL_HEADERS": ("Authorization",),
-    "CREDENTIAL_SCOPE": "digest",
     "STORED_STATUS_CODES": range(100, 500),
     "REPLAY_HEADER": "Idempotent-Replay",
     "STORED_RESPONSE_HEADERS": ("Content-Type", "Location"),
@@ -37,6 +36,9 @@ DEFAULTS: dict[str, Any] = {
     "MIDDLEWARE_METHODS": GUARDED_METHODS,
     "ERROR_TYPE_BASE": "urn:django-idempotency:error:",
     "LOG_KEYS": False,
+    # Requests whose credentials Django's own middleware does not turn into request.user.
+    "CREDENTIAL_HEADERS": ("Authorization",),
+    "CREDENTIAL_SCOPE": "digest",
     # Redis fast path: the django-redis cache alias to use, or None for the database only.
     "CACHE_ALIAS": None,
     "CACHE_RETRY_SECONDS": 5,
@@ -76,6 +78,98 @@ SENSITIVE_HEADERS = frozenset(
 )
 
 
+#: What a boolean setting may be spelled as, for values read from the environment. Strings are
+#: compared stripped and case-folded; ints only as 0 and 1.
+TRUE_STRINGS = frozenset({"1", "true", "yes", "on"})
+FALSE_STRINGS = frozenset({"0", "false", "no", "off"})
+#: Messages shared by the system checks and the errors raised when a setting is read, so
+#: ``manage.py check`` and a request say the same. They name the value's type, never the value.
+BOOLEAN_MESSAGE = (
+    "IDEMPOTENCY[{name!r}] got a {kind} that is not a boolean: use True or False, 1 or 0, or "
+    'one of the strings "true", "false", "yes", "no", "on", "off", "1", "0".'
+)
+CREDENTIAL_SCOPE_MESSAGE = (
+    'IDEMPOTENCY[\'CREDENTIAL_SCOPE\'] got a {kind} that is neither "digest" nor "refuse".'
+)
+HEADER_NAMES_MESSAGE = (
+    "IDEMPOTENCY[{name!r}] got a {kind} that is not a list or tuple of header names, such as "
+    "('Authorization',)."
+)
+
+
+def _kind(value: Any) -> str:
+    """The type of a setting's value, for messages that must not print the value itself."""
+    return type(value).__name__
+
+
+def parse_bool(name: str, value: Any) -> bool:
+    """A boolean setting: ``True``/``False``, ``0``/``1``, or a string such as ``"off"``.
+
+    Anything else raises, so ``"false"`` from an environment variable never counts as true.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().casefold()
+        if text in TRUE_STRINGS:
+            return True
+        if text in FALSE_STRINGS:
+            return False
+    raise IdempotencyConfigurationError(BOOLEAN_MESSAGE.format(name=name, kind=_kind(value)))
+
+
+def parse_number(name: str, value: Any) -> float:
+    """A number setting: an int, a float, or a string of one (``"30"``), never a bool."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = math.nan
+    else:
+        number = math.nan
+    if math.isnan(number):
+        raise IdempotencyConfigurationError(
+            f"IDEMPOTENCY[{name!r}] got a {_kind(value)} that is not a number: use a number "
+            f'such as {DEFAULTS[name]!r}, or a string of one such as "{DEFAULTS[name]}".'
+        )
+    return number
+
+
+def parse_int(name: str, value: Any) -> int:
+    """A whole-number setting: an int or a string of digits (``"100"``), never a bool."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise IdempotencyConfigurationError(
+        f"IDEMPOTENCY[{name!r}] got a {_kind(value)} that is not a whole number: use one such "
+        f'as {DEFAULTS[name]!r}, or a string of digits such as "{DEFAULTS[name]}".'
+    )
+
+
+def parse_credential_scope(value: Any) -> Literal["digest", "refuse"]:
+    text = value.strip().casefold() if isinstance(value, str) else None
+    if text == "digest":
+        return "digest"
+    if text == "refuse":
+        return "refuse"
+    raise IdempotencyConfigurationError(CREDENTIAL_SCOPE_MESSAGE.format(kind=_kind(value)))
+
+
+def parse_header_names(name: str, value: Any) -> tuple[str, ...]:
+    """A list or tuple of header names (a lone string is refused: it is not a list)."""
+    if isinstance(value, list | tuple) and all(isinstance(item, str) for item in value):
+        return tuple(value)
+    raise IdempotencyConfigurationError(HEADER_NAMES_MESSAGE.format(name=name, kind=_kind(value)))
+
+
 def import_setting(name: str, value: Any) -> Any:
     """Import a dotted path from a setting; the error names the setting to fix."""
     if not isinstance(value, str):
@@ -100,21 +194,30 @@ class IdempotencySettings:
     def get(self, name: str) -> Any:
         return self.user_settings.get(name, DEFAULTS[name])
 
+    def boolean(self, name: str) -> bool:
+        return parse_bool(name, self.get(name))
+
+    def number(self, name: str) -> float:
+        return parse_number(name, self.get(name))
+
+    def integer(self, name: str) -> int:
+        return parse_int(name, self.get(name))
+
     @property
     def HEADER(self) -> str:
         return str(self.get("HEADER"))
 
     @property
     def KEY_REQUIRED(self) -> bool:
-        return bool(self.get("KEY_REQUIRED"))
+        return self.boolean("KEY_REQUIRED")
 
     @property
     def LEASE_SECONDS(self) -> float:
-        return float(self.get("LEASE_SECONDS"))
+        return self.number("LEASE_SECONDS")
 
     @property
     def TTL_SECONDS(self) -> float:
-        return float(self.get("TTL_SECONDS"))
+        return self.number("TTL_SECONDS")
 
     @property
     def SCOPE_RESOLVER(self) -> Callable[[Any], str]:
@@ -126,14 +229,6 @@ class IdempotencySettings:
     @property
     def ANONYMOUS_SCOPE(self) -> str:
         return str(self.get("ANONYMOUS_SCOPE"))
-
-    @property
-    def CREDENTIAL_HEADERS(self) -> tuple[str, ...]:
-        return tuple(str(name) for name in self.get("CREDENTIAL_HEADERS"))
-
-    @property
-    def CREDENTIAL_SCOPE(self) -> str:
-        return str(self.get("CREDENTIAL_SCOPE"))
 
     @property
     def STORED_STATUS_CODES(self) -> Collection[int]:
@@ -152,11 +247,11 @@ class IdempotencySettings:
 
     @property
     def MAX_RESPONSE_BYTES(self) -> int:
-        return int(self.get("MAX_RESPONSE_BYTES"))
+        return self.integer("MAX_RESPONSE_BYTES")
 
     @property
     def LEASE_HEARTBEAT(self) -> bool:
-        return bool(self.get("LEASE_HEARTBEAT"))
+        return self.boolean("LEASE_HEARTBEAT")
 
     @property
     def MIDDLEWARE_PATHS(self) -> tuple[str, ...]:
@@ -172,7 +267,15 @@ class IdempotencySettings:
 
     @property
     def LOG_KEYS(self) -> bool:
-        return bool(self.get("LOG_KEYS"))
+        return self.boolean("LOG_KEYS")
+
+    @property
+    def CREDENTIAL_HEADERS(self) -> tuple[str, ...]:
+        return parse_header_names("CREDENTIAL_HEADERS", self.get("CREDENTIAL_HEADERS"))
+
+    @property
+    def CREDENTIAL_SCOPE(self) -> Literal["digest", "refuse"]:
+        return parse_credential_scope(self.get("CREDENTIAL_SCOPE"))
 
     @property
     def CACHE_ALIAS(self) -> str | None:
@@ -181,19 +284,19 @@ class IdempotencySettings:
 
     @property
     def CACHE_RETRY_SECONDS(self) -> float:
-        return float(self.get("CACHE_RETRY_SECONDS"))
+        return self.number("CACHE_RETRY_SECONDS")
 
     @property
     def REGISTER_ADMIN(self) -> bool:
-        return bool(self.get("REGISTER_ADMIN"))
+        return self.boolean("REGISTER_ADMIN")
 
     @property
     def METRICS(self) -> bool:
-        return bool(self.get("METRICS"))
+        return self.boolean("METRICS")
 
     @property
     def TRACING(self) -> bool:
-        return bool(self.get("TRACING"))
+        return self.boolean("TRACING")
 
     @property
     def OUTBOX_PUBLISHERS(self) -> Mapping[str, Any]:
@@ -203,7 +306,7 @@ class IdempotencySettings:
 
     @property
     def OUTBOX_REQUIRE_ATOMIC(self) -> bool:
-        return bool(self.get("OUTBOX_REQUIRE_ATOMIC"))
+        return self.boolean("OUTBOX_REQUIRE_ATOMIC")
 
     @property
     def OUTBOX_KICK(self) -> Callable[[str], None] | None:
@@ -215,43 +318,43 @@ class IdempotencySettings:
 
     @property
     def OUTBOX_NOTIFY(self) -> bool:
-        return bool(self.get("OUTBOX_NOTIFY"))
+        return self.boolean("OUTBOX_NOTIFY")
 
     @property
     def OUTBOX_BATCH_SIZE(self) -> int:
-        return int(self.get("OUTBOX_BATCH_SIZE"))
+        return self.integer("OUTBOX_BATCH_SIZE")
 
     @property
     def OUTBOX_RELAY_LEASE_SECONDS(self) -> float:
-        return float(self.get("OUTBOX_RELAY_LEASE_SECONDS"))
+        return self.number("OUTBOX_RELAY_LEASE_SECONDS")
 
     @property
     def OUTBOX_MAX_ATTEMPTS(self) -> int:
-        return int(self.get("OUTBOX_MAX_ATTEMPTS"))
+        return self.integer("OUTBOX_MAX_ATTEMPTS")
 
     @property
     def OUTBOX_BACKOFF_BASE_SECONDS(self) -> float:
-        return float(self.get("OUTBOX_BACKOFF_BASE_SECONDS"))
+        return self.number("OUTBOX_BACKOFF_BASE_SECONDS")
 
     @property
     def OUTBOX_BACKOFF_MAX_SECONDS(self) -> float:
-        return float(self.get("OUTBOX_BACKOFF_MAX_SECONDS"))
+        return self.number("OUTBOX_BACKOFF_MAX_SECONDS")
 
     @property
     def OUTBOX_POLL_SECONDS(self) -> float:
-        return float(self.get("OUTBOX_POLL_SECONDS"))
+        return self.number("OUTBOX_POLL_SECONDS")
 
     @property
     def OUTBOX_RETENTION_SECONDS(self) -> float:
-        return float(self.get("OUTBOX_RETENTION_SECONDS"))
+        return self.number("OUTBOX_RETENTION_SECONDS")
 
     @property
     def INBOX_RETENTION_SECONDS(self) -> float:
-        return float(self.get("INBOX_RETENTION_SECONDS"))
+        return self.number("INBOX_RETENTION_SECONDS")
 
     @property
     def SWEEP_BATCH_SIZE(self) -> int:
-        return int(self.get("SWEEP_BATCH_SIZE"))
+        return self.integer("SWEEP_BATCH_SIZE")
 
 
 conf = IdempotencySettings()

@@ -1,4 +1,4 @@
-"""Named queries the engine, the sweeps and the admin share."""
+"""Named queries the record store, the sweeps and the admin share."""
 
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 
 Every task is ``acks_late`` (a worker that dies mid-task leaves the message to be redelivered)
 and safe to run concurrently with itself: relays coordinate through leases, sweeps through
-re-checked deletes. The module imports without Celery; the functions then stay plain functions.
+re-checked deletes. The module imports without Celery; the functions then stay plain functions,
+and the default ``OUTBOX_KICK`` (:func:`kick_relay`) relays in a thread of the process instead
+of queueing a task.
 
 Merge :data:`BEAT_SCHEDULE` into ``CELERY_BEAT_SCHEDULE``; django-celery-beat's
 ``DatabaseScheduler`` reads that setting too.
@@ -66,21 +68,32 @@ def sweep_processed_messages(batch_size: int | None = None) -> int:
 
 
 class _RelayKicker:
-    """Queues relay tasks from a daemon thread, so a commit never waits on the broker.
+    """Relays soon after a publishing commit, from a daemon thread, so a commit never waits.
 
-    Kicks that arrive while a task is being queued collapse into one more: a burst of commits
-    costs two relay tasks, not one per commit. The thread starts on first use in each process
-    (after a fork too); a kick lost at exit is picked up by the periodic relay.
+    With Celery, the thread queues a ``relay_outbox`` task; without it, the thread relays the
+    committed events itself (the first such kick in a process logs a WARNING saying so). Kicks
+    that arrive while one is being served collapse into one more: a burst of commits costs two
+    relay passes, not one per commit. The thread starts on first use in each process (after a
+    fork too); a kick lost at exit is picked up by the periodic relay.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._wanted = threading.Event()
+        self._aliases: set[str] = set()
+        self._warned = False
         #: Set while the thread waits for a kick (tests wait on it).
         self.idle = threading.Event()
 
-    def kick(self) -> None:
+    def kick(self, using: str) -> None:
+        if _shared_task is None and not self._warned:
+            self._warned = True
+            logger.warning(
+                "Celery is not installed: the default OUTBOX_KICK relays the outbox in a "
+                "background thread of this process. Install Celery and run a worker, or set "
+                "IDEMPOTENCY['OUTBOX_KICK'] = None and run `manage.py outbox_relay --loop`."
+            )
         with self._lock:
             if self._pid != os.getpid():
                 self._pid = os.getpid()
@@ -90,37 +103,58 @@ class _RelayKicker:
                 )
                 thread.name = "django-idempotency-relay-kick"
                 thread.start()
+            self._aliases.add(using)
             self.idle.clear()
             self._wanted.set()
 
-    @staticmethod
-    def _run(wanted: threading.Event, idle: threading.Event) -> None:
+    def _run(self, wanted: threading.Event, idle: threading.Event) -> None:
         while True:
-            if not wanted.is_set():
-                idle.set()
+            with self._lock:  # with kick()'s lock: no kick can land between the test and set
+                if not wanted.is_set():
+                    idle.set()
             wanted.wait()
             wanted.clear()
+            with self._lock:
+                aliases, self._aliases = self._aliases, set()
             try:
-                relay_outbox.apply_async(  # type: ignore[attr-defined]
-                    retry=False, expires=max(conf.OUTBOX_RELAY_LEASE_SECONDS, 60)
-                )
+                if _shared_task is None:
+                    for using in sorted(aliases):
+                        _relay_here(using)
+                else:
+                    relay_outbox.apply_async(  # type: ignore[attr-defined]
+                        retry=False, expires=max(conf.OUTBOX_RELAY_LEASE_SECONDS, 60)
+                    )
             except Exception:
                 logger.warning("outbox relay kick failed", exc_info=True)
+
+
+def _relay_here(using: str) -> None:
+    """One relay pass in this thread, on a connection opened and closed for it."""
+    from django.db import connections
+
+    from django_idempotency.outbox.relay import Relay
+
+    try:
+        with Relay(using=using) as relay:
+            relay.drain()
+    finally:
+        # Nothing else ends this thread's connection (no request finishes here): close it, so
+        # an idle process holds none and the next pass starts on a fresh one.
+        connections[using].close()
 
 
 _kicker = _RelayKicker()
 
 
 def kick_relay(using: str) -> None:
-    """The default ``OUTBOX_KICK``: queue a relay task soon after a publishing commit.
+    """The default ``OUTBOX_KICK``: relay soon after a publishing commit, off the request.
 
-    ``retry=False``: a broker outage costs a log line, and the relay entry of
-    :data:`BEAT_SCHEDULE` sends the event later. ``expires`` drops kicks that queued up while no
-    worker ran: one relay pass serves them all.
+    With Celery, a ``relay_outbox`` task is queued with ``retry=False`` (a broker outage costs a
+    log line, and the relay entry of :data:`BEAT_SCHEDULE` sends the event later) and an
+    ``expires`` that drops kicks queued while no worker ran: one relay pass serves them all.
+    Without Celery, a thread of this process relays instead.
     """
-    if _shared_task is None:  # pragma: no cover
-        return
-    _kicker.kick()
+    _kicker.kick(using)
 
 
 #: Ready to merge: ``CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE, ...}``. Seconds between runs.

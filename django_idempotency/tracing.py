@@ -45,7 +45,7 @@ def _tracer() -> otel_trace.Tracer:
 def step_span(
     name: str, attributes: Callable[[], Mapping[str, AttributeValue]]
 ) -> Iterator[Span | None]:
-    """A span around one engine step, child of the current (request) span; exceptions recorded.
+    """A span around one lifecycle step, child of the current (request) span; exceptions recorded.
 
     ``attributes`` is called only when a span is made: it hashes the key, on every request.
     """

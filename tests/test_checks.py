@@ -1,103 +1,444 @@
-"""Every system check id, and that the checks are registered."""
+"""The system-check table: every row registered, and every id seen firing and seen quiet
+through ``manage.py check``."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from io import StringIO
+from typing import Any
+
 import pytest
-from django.core.checks import run_checks
+from celery import Celery
+from celery._state import get_current_app
+from django.core.checks.registry import registry
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
-from django.test import override_settings
+from django.db import connection, connections
 
 from django_idempotency import checks
+from django_idempotency.conf import DEFAULTS
+from django_idempotency.inbox import idempotent_consumer
+
+pytestmark = pytest.mark.django_db  # Django 6's model checks ask the database about JSON
+
+MEMORY = "django_idempotency.publishers.memory.MemoryPublisher"
+WEBHOOK = "django_idempotency.publishers.webhook.WebhookPublisher"
+OURS = checks.MIDDLEWARE
+AUTH = "django.contrib.auth.middleware.AuthenticationMiddleware"
+SESSIONS = "django.contrib.sessions.middleware.SessionMiddleware"
+MESSAGES = "django.contrib.messages.middleware.MessageMiddleware"
+CSRF = "django.middleware.csrf.CsrfViewMiddleware"
+REDIS = {
+    "BACKEND": "django_redis.cache.RedisCache",
+    "LOCATION": "redis://127.0.0.1:6379/2",
+    "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.1, "SOCKET_TIMEOUT": 0.1},
+}
 
 
-def ids(**idempotency) -> set[str]:
-    with override_settings(IDEMPOTENCY=idempotency):
-        return {message.id for message in checks.check_settings()}
+@contextmanager
+def current_celery_app(**conf: Any) -> Iterator[Celery]:
+    """A Celery app made current for the block: what ``manage.py`` loads from a project."""
+    app = Celery("checks", set_as_current=False)
+    app.conf.update(conf)
+    previous = get_current_app()
+    app.set_current()
+    try:
+        yield app
+    finally:
+        previous.set_current()
 
 
-def test_defaults_are_clean():
-    assert ids() == set()
+class RecordsElsewhere:
+    """A router that sends the idempotency records to another database."""
+
+    def db_for_write(self, model: Any, **hints: Any) -> str | None:
+        return "records" if model._meta.model_name == "idempotencyrecord" else None
 
 
-@pytest.mark.parametrize(
-    ("settings", "expected"),
-    [
-        ({"LEASE_SECONDS": 0}, checks.E002),
-        ({"LEASE_SECONDS": "30"}, checks.E002),
-        ({"LEASE_SECONDS": True}, checks.E002),
-        ({"TTL_SECONDS": -1}, checks.E003),
-        ({"TTL_SECONDS": 10, "LEASE_SECONDS": 30}, checks.E004),
-        ({"SCOPE_RESOLVER": "no.such.module.resolver"}, checks.E005),
-        ({"SCOPE_RESOLVER": "django_idempotency.conf.DEFAULTS"}, checks.E005),
-        ({"STORED_STATUS_CODES": [200, 700]}, checks.E006),
-        ({"STORED_STATUS_CODES": []}, checks.E006),
-        ({"STORED_STATUS_CODES": "2xx"}, checks.E006),
-        ({"STORED_RESPONSE_HEADERS": "Content-Type"}, checks.E007),
-        ({"STORED_RESPONSE_HEADERS": ["Bad Header"]}, checks.E007),
-        ({"MAX_RESPONSE_BYTES": -5}, checks.E008),
-        ({"MAX_RESPONSE_BYTES": 1.5}, checks.E008),
-        ({"HEADER": "Idempotency Key"}, checks.E009),
-        ({"REPLAY_HEADER": ""}, checks.E009),
-        ({"MIDDLEWARE_PATHS": ["(unclosed"]}, checks.E010),
-        ({"MIDDLEWARE_PATHS": "^/api/"}, checks.E010),
-        ({"KEY_REQUIRED": "yes"}, checks.E011),
-        ({"MIDDLEWARE_METHODS": "POST"}, checks.E012),
-        ({"LEASE_SECONS": 30}, checks.W001),
-        ({"STORED_RESPONSE_HEADERS": ["Content-Type", "Set-Cookie"]}, checks.W002),
-    ],
-)
-def test_each_mistake_has_its_id(settings, expected):
-    assert expected in ids(**settings)
+class Project:
+    """The project a check runs on: settings, patches and contexts, undone after the test."""
+
+    def __init__(self, settings: Any, monkeypatch: pytest.MonkeyPatch, stack: ExitStack) -> None:
+        self.settings = settings
+        self.monkeypatch = monkeypatch
+        self.stack = stack
+        self.arguments: list[str] = []
+
+    def idempotency(self, **values: Any) -> None:
+        self.settings.IDEMPOTENCY = {**self.settings.IDEMPOTENCY, **values}
+
+    def without(self, *names: str) -> None:
+        current = self.settings.IDEMPOTENCY
+        self.settings.IDEMPOTENCY = {k: v for k, v in current.items() if k not in names}
+
+    def set(self, **values: Any) -> None:
+        for name, value in values.items():
+            setattr(self.settings, name, value)
+
+    def missing(self, module: str) -> None:
+        """Make ``module`` look not installed to the checks."""
+        importable = checks.importable
+        self.monkeypatch.setattr(
+            checks, "importable", lambda name: name != module and importable(name)
+        )
+
+    def database(self, **values: Any) -> None:
+        """Change the default alias's configuration as the checks read it (no connection)."""
+        self.monkeypatch.setitem(
+            connections.settings, "default", {**connections.settings["default"], **values}
+        )
+
+    def celery(self, **conf: Any) -> Celery:
+        return self.stack.enter_context(current_celery_app(**conf))
+
+    def consumer(self, **options: Any) -> None:
+        @self.celery().task(shared=False, name="checks.consumer", **options)
+        @idempotent_consumer
+        def consumer() -> None:
+            pass
+
+    def check(self) -> str:
+        """``manage.py check``'s whole report, errors and warnings."""
+        out, err = StringIO(), StringIO()
+        try:
+            call_command("check", *self.arguments, stdout=out, stderr=err)
+        except SystemCheckError as exc:
+            return str(exc)
+        return err.getvalue() + out.getvalue()
 
 
-@override_settings(IDEMPOTENCY=["not", "a", "dict"])
-def test_settings_must_be_a_dict():
+@pytest.fixture
+def project(settings: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Project]:
+    with ExitStack() as stack:
+        yield Project(settings, monkeypatch, stack)
+
+
+def no_skip_locked(p: Project) -> None:
+    p.monkeypatch.setattr(connection.features, "has_select_for_update", True)
+    p.monkeypatch.setattr(connection.features, "has_select_for_update_skip_locked", False)
+    p.arguments = ["--database", "default"]
+
+
+def default_kick(p: Project) -> None:
+    p.without("OUTBOX_KICK")
+
+
+Scenario = Callable[[Project], Any]
+
+#: For each id: a project where it fires, and the nearest project where it stays quiet.
+SCENARIOS: dict[str, tuple[Scenario, Scenario]] = {
+    checks.E001: (lambda p: p.set(IDEMPOTENCY=["x"]), lambda p: p.set(IDEMPOTENCY={})),
+    checks.W001: (lambda p: p.idempotency(LEASE_SECONS=30), lambda p: p.idempotency()),
+    checks.E002: (
+        lambda p: p.idempotency(LEASE_SECONDS="thirty"),
+        lambda p: p.idempotency(LEASE_SECONDS=" 30 "),
+    ),
+    checks.E003: (
+        lambda p: p.idempotency(TTL_SECONDS=-1),
+        lambda p: p.idempotency(TTL_SECONDS="86400"),
+    ),
+    checks.E004: (
+        lambda p: p.idempotency(TTL_SECONDS=10, LEASE_SECONDS=30),
+        lambda p: p.idempotency(TTL_SECONDS="30", LEASE_SECONDS=30),
+    ),
+    checks.E005: (
+        lambda p: p.idempotency(SCOPE_RESOLVER="no.such.resolver"),
+        lambda p: p.idempotency(SCOPE_RESOLVER="django_idempotency.request.scopes.user_scope"),
+    ),
+    checks.E006: (
+        lambda p: p.idempotency(STORED_STATUS_CODES=[200, 700]),
+        lambda p: p.idempotency(STORED_STATUS_CODES=[200, 201]),
+    ),
+    checks.E007: (
+        lambda p: p.idempotency(STORED_RESPONSE_HEADERS="Content-Type"),
+        lambda p: p.idempotency(STORED_RESPONSE_HEADERS=["Content-Type"]),
+    ),
+    checks.W002: (
+        lambda p: p.idempotency(STORED_RESPONSE_HEADERS=["Content-Type", "Set-Cookie"]),
+        lambda p: p.idempotency(STORED_RESPONSE_HEADERS=["Content-Type", "ETag"]),
+    ),
+    checks.E008: (
+        lambda p: p.idempotency(MAX_RESPONSE_BYTES=1.5),
+        lambda p: p.idempotency(MAX_RESPONSE_BYTES="1024"),
+    ),
+    checks.E009: (
+        lambda p: p.idempotency(HEADER="Idempotency Key"),
+        lambda p: p.idempotency(HEADER="X-Request-Key"),
+    ),
+    checks.E010: (
+        lambda p: p.idempotency(MIDDLEWARE_PATHS=["(unclosed"]),
+        lambda p: p.idempotency(MIDDLEWARE_PATHS=[r"^/api/"]),
+    ),
+    checks.E011: (
+        lambda p: p.idempotency(KEY_REQUIRED="maybe"),
+        lambda p: p.idempotency(KEY_REQUIRED=" Off "),
+    ),
+    checks.E012: (
+        lambda p: p.idempotency(MIDDLEWARE_METHODS="POST"),
+        lambda p: p.idempotency(MIDDLEWARE_METHODS=["POST"]),
+    ),
+    checks.E013: (
+        lambda p: p.set(MIDDLEWARE=[SESSIONS, AUTH, MESSAGES, OURS, CSRF]),
+        lambda p: p.set(MIDDLEWARE=[SESSIONS, CSRF, AUTH, MESSAGES, OURS, "no.such.Middleware"]),
+    ),
+    checks.E014: (
+        lambda p: p.idempotency(CREDENTIAL_SCOPE="ignore"),
+        lambda p: p.idempotency(CREDENTIAL_SCOPE="refuse"),
+    ),
+    checks.E015: (
+        lambda p: p.idempotency(CREDENTIAL_HEADERS="Authorization"),
+        lambda p: p.idempotency(CREDENTIAL_HEADERS=["Authorization", "X-Api-Key"]),
+    ),
+    checks.W003: (
+        lambda p: p.database(ENGINE="django.db.backends.sqlite3", OPTIONS={}),
+        lambda p: p.database(
+            ENGINE="django.db.backends.sqlite3", OPTIONS={"transaction_mode": "immediate"}
+        ),
+    ),
+    checks.W004: (
+        lambda p: p.set(MIDDLEWARE=[SESSIONS, OURS, AUTH, MESSAGES]),
+        lambda p: p.set(MIDDLEWARE=[SESSIONS, AUTH, MESSAGES, OURS]),
+    ),
+    checks.W005: (
+        lambda p: p.set(DATABASE_ROUTERS=[f"{__name__}.RecordsElsewhere"]),
+        lambda p: p.set(DATABASE_ROUTERS=[]),
+    ),
+    checks.W006: (lambda p: p.set(USE_TZ=False), lambda p: p.set(USE_TZ=True)),
+    checks.W007: (
+        # The test settings: the middleware on two paths, DRF with TokenAuthentication.
+        lambda p: p.idempotency(),
+        lambda p: p.set(
+            REST_FRAMEWORK={
+                "DEFAULT_AUTHENTICATION_CLASSES": [
+                    "rest_framework.authentication.SessionAuthentication"
+                ]
+            }
+        ),
+    ),
+    checks.E020: (
+        lambda p: p.idempotency(OUTBOX_PUBLISHERS={"*": {"BACKEND": MEMORY, "OPTION": {}}}),
+        lambda p: p.idempotency(OUTBOX_PUBLISHERS={"*": {"BACKEND": MEMORY, "OPTIONS": {}}}),
+    ),
+    checks.E021: (
+        lambda p: p.idempotency(OUTBOX_PUBLISHERS={"*": "no.such.Publisher"}),
+        lambda p: p.idempotency(OUTBOX_PUBLISHERS={"*": MEMORY}),
+    ),
+    checks.E028: (
+        lambda p: p.idempotency(
+            OUTBOX_PUBLISHERS={"*": {"BACKEND": WEBHOOK, "OPTIONS": {"url": "https://x/"}}}
+        ),
+        lambda p: p.idempotency(
+            OUTBOX_PUBLISHERS={
+                "*": {"BACKEND": WEBHOOK, "OPTIONS": {"url": "https://x/", "secret": "s"}}
+            }
+        ),
+    ),
+    checks.W024: (
+        lambda p: p.idempotency(OUTBOX_PUBLISHERS={"orders.*": MEMORY}),
+        lambda p: p.idempotency(OUTBOX_PUBLISHERS={"orders.*": MEMORY, "*": MEMORY}),
+    ),
+    checks.E027: (
+        lambda p: p.idempotency(OUTBOX_PUBLISHERS={}, OUTBOX_KICK=DEFAULTS["OUTBOX_KICK"]),
+        lambda p: p.idempotency(OUTBOX_PUBLISHERS={}, OUTBOX_KICK=None),
+    ),
+    checks.W025: (
+        lambda p: (default_kick(p), p.missing("celery")),
+        default_kick,
+    ),
+    checks.E022: (
+        lambda p: p.idempotency(OUTBOX_BATCH_SIZE=0),
+        lambda p: p.idempotency(OUTBOX_BATCH_SIZE="50"),
+    ),
+    checks.E023: (
+        lambda p: p.idempotency(OUTBOX_POLL_SECONDS="soon"),
+        lambda p: p.idempotency(OUTBOX_POLL_SECONDS="2.5"),
+    ),
+    checks.E024: (
+        lambda p: p.idempotency(OUTBOX_BACKOFF_BASE_SECONDS=10, OUTBOX_BACKOFF_MAX_SECONDS=5),
+        lambda p: p.idempotency(OUTBOX_BACKOFF_BASE_SECONDS=1, OUTBOX_BACKOFF_MAX_SECONDS=5),
+    ),
+    checks.E025: (
+        lambda p: p.idempotency(OUTBOX_KICK="no.such.kick"),
+        lambda p: p.idempotency(OUTBOX_KICK="django_idempotency.testing.relay_now"),
+    ),
+    checks.E026: (
+        lambda p: p.idempotency(OUTBOX_NOTIFY="sometimes"),
+        lambda p: p.idempotency(OUTBOX_NOTIFY="no"),
+    ),
+    checks.W020: (
+        lambda p: (
+            p.celery(broker_url="redis://localhost:6379/0"),
+            p.idempotency(INBOX_RETENTION_SECONDS=600),
+        ),
+        lambda p: p.celery(broker_url="redis://localhost:6379/0"),
+    ),
+    checks.W021: (
+        lambda p: p.consumer(acks_late=False),
+        lambda p: p.consumer(acks_late=True, reject_on_worker_lost=True),
+    ),
+    checks.W022: (no_skip_locked, lambda p: setattr(p, "arguments", ["--database", "default"])),
+    checks.W023: (
+        lambda p: p.consumer(acks_late=True),
+        lambda p: p.consumer(acks_late=True, reject_on_worker_lost=True),
+    ),
+    checks.E040: (
+        lambda p: p.idempotency(CACHE_ALIAS="missing"),
+        lambda p: p.idempotency(CACHE_ALIAS=None),
+    ),
+    checks.E041: (
+        lambda p: (
+            p.set(CACHES={"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}),
+            p.idempotency(CACHE_ALIAS="default"),
+        ),
+        lambda p: (p.set(CACHES={"default": REDIS}), p.idempotency(CACHE_ALIAS="default")),
+    ),
+    checks.E042: (
+        lambda p: p.idempotency(CACHE_RETRY_SECONDS="-1"),
+        lambda p: p.idempotency(CACHE_RETRY_SECONDS="0"),
+    ),
+    checks.W040: (
+        lambda p: (
+            p.set(CACHES={"default": {**REDIS, "OPTIONS": {}}}),
+            p.idempotency(CACHE_ALIAS="default"),
+        ),
+        lambda p: (p.set(CACHES={"default": REDIS}), p.idempotency(CACHE_ALIAS="default")),
+    ),
+    checks.E060: (
+        lambda p: p.idempotency(METRICS="sometimes"),
+        lambda p: p.idempotency(METRICS="ON"),
+    ),
+    checks.W060: (
+        lambda p: (p.missing("prometheus_client"), p.idempotency(METRICS="yes")),
+        lambda p: (p.missing("prometheus_client"), p.idempotency(METRICS="no")),
+    ),
+    checks.W061: (
+        lambda p: (p.missing("opentelemetry.trace"), p.idempotency(TRACING=True)),
+        lambda p: p.idempotency(TRACING=True),
+    ),
+}
+
+
+def reported(report: str) -> set[str]:
+    return set(re.findall(r"django_idempotency\.[EW]\d{3}", report))
+
+
+@pytest.mark.parametrize("check_id", sorted(SCENARIOS))
+def test_each_check_fires_through_manage_py_check(project: Project, check_id: str) -> None:
+    fire, _ = SCENARIOS[check_id]
+    fire(project)
+    report = project.check()
+    assert check_id in reported(report), report
+
+
+@pytest.mark.parametrize("check_id", sorted(SCENARIOS))
+def test_each_check_is_quiet_when_the_project_is_right(project: Project, check_id: str) -> None:
+    _, quiet = SCENARIOS[check_id]
+    quiet(project)
+    report = project.check()
+    assert check_id not in reported(report), report
+
+
+def test_every_declared_check_has_its_scenarios() -> None:
+    assert set(SCENARIOS) == set(checks.BY_ID)
+
+
+def test_every_declared_check_is_registered_with_django() -> None:
+    registered = registry.get_checks()
+    assert [check.id for check in checks.CHECKS if check not in registered] == []
+    for check in checks.CHECKS:
+        assert tuple(check.tags) == tuple(getattr(check, "tags", ()))
+
+
+def test_the_table_holds_every_id_once() -> None:
+    constants = {
+        value
+        for name, value in vars(checks).items()
+        if re.fullmatch(r"[EW]\d{3}", name) and isinstance(value, str)
+    }
+    ids = [check.id for check in checks.CHECKS]
+    assert len(ids) == len(set(ids))
+    assert set(ids) == constants
+
+
+def test_errors_are_errors_and_warnings_warnings(project: Project) -> None:
+    project.idempotency(LEASE_SECONDS=0, LEASE_SECONS=1)
+    messages = {message.id: message for message in checks.check_settings()}
+    assert messages[checks.E002].is_serious()
+    assert not messages[checks.W001].is_serious()
+
+
+def test_an_error_fails_manage_py_check(project: Project) -> None:
+    project.idempotency(TTL_SECONDS=1, LEASE_SECONDS=30)
+    with pytest.raises(SystemCheckError, match="django_idempotency.E004"):
+        call_command("check")
+
+
+def test_not_a_dict_stops_the_other_settings_checks(project: Project) -> None:
+    project.set(IDEMPOTENCY=["not", "a", "dict"])
+    assert reported(project.check()) >= {checks.E001}
     assert [message.id for message in checks.check_settings()] == [checks.E001]
 
 
-@override_settings(DEBUG=False)
-def test_sqlite_without_immediate_transactions_warns(settings):
-    database = {"ENGINE": "django.db.backends.sqlite3", "NAME": "x.sqlite3", "OPTIONS": {}}
-    from django.db import connections
+def test_sqlite_warning_needs_no_database_connection(project: Project, monkeypatch) -> None:
+    """Plain ``manage.py check`` and ``runserver`` show W003: it reads ENGINE and OPTIONS."""
+    project.database(ENGINE="django.db.backends.sqlite3", OPTIONS={"timeout": 20})
+    project.set(DEBUG=True)  # startproject's default, where the issue was found
 
-    original = connections.settings.get("default")
-    connections.settings["default"] = {**original, **database}
-    try:
-        messages = checks.check_sqlite(databases=["default"])
-    finally:
-        connections.settings["default"] = original
+    def no_connecting(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the check connected to the database")
+
+    monkeypatch.setattr(connection, "ensure_connection", no_connecting)
+    messages = checks.BY_ID[checks.W003]()
     assert [message.id for message in messages] == [checks.W003]
+    assert "'transaction_mode': 'IMMEDIATE'" in messages[0].hint
+    assert "database is locked" in messages[0].msg
 
 
-@override_settings(DEBUG=False)
-def test_sqlite_with_immediate_transactions_is_fine():
-    from django.db import connections
-
-    original = connections.settings["default"]
-    connections.settings["default"] = {
-        **original,
-        "ENGINE": "django.db.backends.sqlite3",
-        "OPTIONS": {"transaction_mode": "IMMEDIATE"},
-    }
-    try:
-        assert checks.check_sqlite(databases=["default"]) == []
-    finally:
-        connections.settings["default"] = original
+def test_view_middleware_after_ours_is_named(project: Project) -> None:
+    project.set(
+        MIDDLEWARE=[SESSIONS, AUTH, OURS, CSRF, "django.middleware.common.CommonMiddleware"]
+    )
+    messages = checks.BY_ID[checks.E013]()
+    assert [message.msg.split()[0] for message in messages] == [CSRF]  # Common has none
+    assert "last" in messages[0].hint
 
 
-def test_middleware_before_authentication_warns(settings):
-    settings.MIDDLEWARE = [
-        "django.contrib.sessions.middleware.SessionMiddleware",
-        "django_idempotency.middleware.IdempotencyMiddleware",
-        "django.contrib.auth.middleware.AuthenticationMiddleware",
-    ]
-    assert [m.id for m in checks.check_middleware_order()] == [checks.W004]
+def test_credentials_warning_names_the_classes_and_respects_its_conditions(
+    project: Project,
+) -> None:
+    warning = checks.BY_ID[checks.W007]
+    [message] = warning()
+    assert "rest_framework.authentication.TokenAuthentication" in message.msg
+    assert "SessionAuthentication" not in message.msg
+    project.idempotency(CREDENTIAL_SCOPE="refuse")
+    assert warning() == []
+    project.idempotency(CREDENTIAL_SCOPE="digest", SCOPE_RESOLVER=f"{__name__}.tenant_scope")
+    assert warning() == []
+    project.idempotency(SCOPE_RESOLVER=DEFAULTS["SCOPE_RESOLVER"], MIDDLEWARE_PATHS=[])
+    assert warning() == []
+    project.idempotency(MIDDLEWARE_PATHS=[r"^/api/"])
+    project.set(MIDDLEWARE=[SESSIONS, AUTH])
+    assert warning() == []
+    project.set(MIDDLEWARE=[SESSIONS, AUTH, OURS], REST_FRAMEWORK={})
+    # DRF's own default authenticates with Basic too.
+    assert "BasicAuthentication" in warning()[0].msg
 
 
-@pytest.mark.django_db  # Django 6's model checks ask the database about JSON support
-def test_checks_are_registered_with_django():
-    with override_settings(IDEMPOTENCY={"TTL_SECONDS": 1, "LEASE_SECONDS": 30}):
-        assert checks.E004 in {message.id for message in run_checks()}
-        with pytest.raises(SystemCheckError, match="django_idempotency.E004"):
-            call_command("check")
+def tenant_scope(request: Any) -> str:
+    return "tenant"
+
+
+def test_an_explicit_default_kick_without_publishers_is_an_error(project: Project) -> None:
+    """The default kick left alone is no error: a project that never publishes passes."""
+    project.idempotency(OUTBOX_PUBLISHERS={})
+    project.without("OUTBOX_KICK")
+    report = reported(project.check())
+    assert checks.E027 not in report and checks.W024 in report
+
+
+def test_catch_all_warning_lists_the_patterns(project: Project) -> None:
+    project.idempotency(OUTBOX_PUBLISHERS={"orders.*": MEMORY, "invoices.sent": MEMORY})
+    [message] = checks.BY_ID[checks.W024]()
+    assert "'orders.*', 'invoices.sent'" in message.msg and "UnroutableTopic" in message.msg

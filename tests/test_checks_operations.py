@@ -10,20 +10,33 @@ from django.test import override_settings
 from django_idempotency import checks
 
 
+def check_operations() -> list:
+    return [message for check in checks.OPERATIONS_CHECKS for message in check()]
+
+
 def ids(messages) -> list[str]:
     return [message.id for message in messages]
 
 
 def test_defaults_are_clean():
-    assert checks.check_operations() == []
+    assert check_operations() == []
 
 
 @pytest.mark.parametrize("name", ["REGISTER_ADMIN", "METRICS", "TRACING"])
-def test_e060_not_a_bool(name):
-    with override_settings(IDEMPOTENCY={name: "yes"}):
-        messages = checks.check_operations()
+@pytest.mark.parametrize("value", ["sometimes", 2, None, [True]])
+def test_e060_not_a_boolean(name, value):
+    with override_settings(IDEMPOTENCY={name: value}):
+        messages = check_operations()
     assert ids(messages) == [checks.E060]
-    assert name in messages[0].msg
+    assert f"IDEMPOTENCY[{name!r}]" in messages[0].msg
+    assert type(value).__name__ in messages[0].msg
+
+
+@pytest.mark.parametrize("name", ["REGISTER_ADMIN", "METRICS", "TRACING"])
+@pytest.mark.parametrize("value", [True, False, 0, 1, "yes", "Off", " 1 "])
+def test_e060_quiet_for_booleans_from_the_environment(name, value):
+    with override_settings(IDEMPOTENCY={name: value}):
+        assert check_operations() == []
 
 
 @pytest.mark.parametrize(
@@ -35,17 +48,20 @@ def test_e060_not_a_bool(name):
 )
 def test_w060_w061_switched_on_without_the_package(monkeypatch, name, module, warning_id, extra):
     monkeypatch.setattr(checks, "importable", lambda candidate: candidate != module)
-    with override_settings(IDEMPOTENCY={name: True}):
-        messages = checks.check_operations()
-    assert ids(messages) == [warning_id]
-    assert f"django-idempotency[{extra}]" in messages[0].hint
+    for on in (True, "true", 1):
+        with override_settings(IDEMPOTENCY={name: on}):
+            messages = check_operations()
+        assert ids(messages) == [warning_id]
+        assert f"django-idempotency[{extra}]" in messages[0].hint
+    with override_settings(IDEMPOTENCY={name: "off"}):  # switched off: nothing to warn about
+        assert check_operations() == []
     with override_settings(IDEMPOTENCY={}):  # the default does not insist: no warning
-        assert checks.check_operations() == []
+        assert check_operations() == []
 
 
 def test_installed_packages_satisfy_an_explicit_true():
     with override_settings(IDEMPOTENCY={"METRICS": True, "TRACING": True}):
-        assert checks.check_operations() == []
+        assert check_operations() == []
 
 
 def test_importable():
@@ -56,7 +72,7 @@ def test_importable():
 @pytest.mark.django_db  # Django 6 runs the database checks too
 def test_check_is_registered():
     with (
-        override_settings(IDEMPOTENCY={"METRICS": 1}),
+        override_settings(IDEMPOTENCY={"METRICS": "sometimes"}),
         pytest.raises(SystemCheckError, match="E060"),
     ):
         call_command("check")

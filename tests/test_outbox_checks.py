@@ -1,8 +1,7 @@
-from contextlib import contextmanager
+"""The outbox and consumer rows of the check table, one by one (the table's own test runs each
+through ``manage.py check``)."""
 
 import pytest
-from celery import Celery
-from celery._state import get_current_app
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.db import connection
@@ -10,20 +9,37 @@ from django.db import connection
 from django_idempotency import checks
 from django_idempotency.inbox import idempotent_consumer
 from tests.outbox_support import settings_with
+from tests.test_checks import current_celery_app
+
+CONSUMER_CHECKS = (checks.W020, checks.W021, checks.W023)
 
 
 def ids(messages):
     return sorted(message.id for message in messages)
 
 
+def run(*check_ids, databases=None):
+    return [
+        message for check_id in check_ids for message in checks.BY_ID[check_id](databases=databases)
+    ]
+
+
+def outbox_rows():
+    return [check.id for check in checks.OUTBOX_CHECKS if check.id not in CONSUMER_CHECKS]
+
+
 def outbox_check(**values):
     with settings_with(**values):
-        return checks.check_outbox_settings()
+        return run(*outbox_rows())
+
+
+def check_consumers():
+    return run(*CONSUMER_CHECKS)
 
 
 def test_defaults_pass():
     assert outbox_check() == []
-    assert checks.check_consumers() == []
+    assert check_consumers() == []
 
 
 @pytest.mark.parametrize(
@@ -34,15 +50,39 @@ def test_defaults_pass():
         ({"OUTBOX_PUBLISHERS": {"*": "no.such.Publisher"}}, [checks.E021]),
         ({"OUTBOX_PUBLISHERS": {"*": "django_idempotency.conf.conf"}}, [checks.E021]),
         ({"OUTBOX_BATCH_SIZE": 0}, [checks.E022]),
-        ({"OUTBOX_MAX_ATTEMPTS": "3"}, [checks.E022]),
+        ({"OUTBOX_MAX_ATTEMPTS": "three"}, [checks.E022]),
+        ({"OUTBOX_MAX_ATTEMPTS": "2.5"}, [checks.E022]),
         ({"SWEEP_BATCH_SIZE": 1.5}, [checks.E022]),
         ({"OUTBOX_RELAY_LEASE_SECONDS": -1}, [checks.E023]),
         ({"INBOX_RETENTION_SECONDS": None}, [checks.E023]),
         ({"OUTBOX_BACKOFF_BASE_SECONDS": 10, "OUTBOX_BACKOFF_MAX_SECONDS": 5}, [checks.E024]),
         ({"OUTBOX_KICK": "no.such.kick"}, [checks.E025]),
         ({"OUTBOX_KICK": "django_idempotency.conf.DEFAULTS"}, [checks.E025]),
-        ({"OUTBOX_REQUIRE_ATOMIC": "yes"}, [checks.E026]),
-        ({"OUTBOX_NOTIFY": 1}, [checks.E026]),
+        ({"OUTBOX_REQUIRE_ATOMIC": "sure"}, [checks.E026]),
+        ({"OUTBOX_NOTIFY": 2}, [checks.E026]),
+        (
+            {
+                "OUTBOX_PUBLISHERS": {
+                    "orders.*": "django_idempotency.publishers.log.LoggingPublisher"
+                }
+            },
+            [checks.W024],
+        ),
+        (
+            {"OUTBOX_PUBLISHERS": {}, "OUTBOX_KICK": "django_idempotency.testing.relay_now"},
+            [checks.E027, checks.W024],
+        ),
+        (
+            {
+                "OUTBOX_PUBLISHERS": {
+                    "*": {
+                        "BACKEND": "django_idempotency.publishers.amqp.AMQPPublisher",
+                        "OPTIONS": {"url": "amqp://", "exchange": "x", "confirm_timout": 1},
+                    }
+                }
+            },
+            [checks.E028],
+        ),
     ],
 )
 def test_each_bad_setting_has_its_id(values, expected):
@@ -53,26 +93,14 @@ def test_not_a_dict_is_left_to_e001():
     from django.test import override_settings
 
     with override_settings(IDEMPOTENCY=["x"]):
-        assert checks.check_outbox_settings() == []
-        assert checks.check_consumers() == []
+        assert run(*outbox_rows()) == []
+        assert check_consumers() == []
 
 
 @pytest.mark.django_db
 def test_call_command_check_fails_on_a_bad_outbox_setting():
     with settings_with(OUTBOX_BATCH_SIZE=0), pytest.raises(SystemCheckError, match="E022"):
         call_command("check")
-
-
-@contextmanager
-def current_celery_app(**conf):
-    app = Celery("checks", set_as_current=False)
-    app.conf.update(conf)
-    previous = get_current_app()
-    app.set_current()
-    try:
-        yield app
-    finally:
-        previous.set_current()
 
 
 def test_idempotent_task_without_acks_late_warns():
@@ -88,7 +116,7 @@ def test_idempotent_task_without_acks_late_warns():
         def late_ack():
             pass
 
-        warnings = checks.check_consumers()
+        warnings = check_consumers()
     assert ids(warnings) == [checks.W021]
     assert "checks.early_ack" in warnings[0].msg
 
@@ -101,7 +129,7 @@ def test_idempotent_task_without_reject_on_worker_lost_warns():
         def lost_with_its_worker():
             pass
 
-        warnings = checks.check_consumers()
+        warnings = check_consumers()
         assert ids(warnings) == [checks.W023]
         assert "checks.lost_with_its_worker" in warnings[0].msg
         app.conf.task_reject_on_worker_lost = True
@@ -112,17 +140,17 @@ def test_idempotent_task_without_reject_on_worker_lost_warns():
         def rejected_on_loss():
             pass
 
-        names = [warning.msg for warning in checks.check_consumers()]
+        names = [warning.msg for warning in check_consumers()]
     assert not any("checks.rejected_on_loss" in name for name in names)
 
 
 def test_inbox_retention_shorter_than_the_visibility_timeout_warns():
     with current_celery_app(broker_url="redis://localhost:6379/0"):
         with settings_with(INBOX_RETENTION_SECONDS=600):
-            warnings = checks.check_consumers()
+            warnings = check_consumers()
         assert ids(warnings) == [checks.W020]
         assert "visibility_timeout" in warnings[0].msg
-        assert checks.check_consumers() == []  # the default 14 days is longer
+        assert check_consumers() == []  # the default 14 days is longer
 
 
 def test_inbox_retention_shorter_than_a_task_retry_span_warns():
@@ -141,7 +169,7 @@ def test_inbox_retention_shorter_than_a_task_retry_span_warns():
             pass
 
         with settings_with(INBOX_RETENTION_SECONDS=5 * 3600):  # retries span 10 hours
-            warnings = checks.check_consumers()
+            warnings = check_consumers()
     assert ids(warnings) == [checks.W020]
     assert "checks.slow" in warnings[0].msg
 
@@ -154,13 +182,14 @@ def test_inbox_retention_shorter_than_the_outbox_retry_span_warns():
             "INBOX_RETENTION_SECONDS": 86400,
         }
         with settings_with(**slow_outbox):
-            warnings = checks.check_consumers()
+            warnings = check_consumers()
     assert ids(warnings) == [checks.W020] and "outbox" in warnings[0].msg
 
 
 def test_no_skip_locked_warns(monkeypatch):
-    assert checks.check_skip_locked(databases=["default"]) == []
+    assert run(checks.W022, databases=["default"]) == []
     monkeypatch.setattr(connection.features, "has_select_for_update", True)
     monkeypatch.setattr(connection.features, "has_select_for_update_skip_locked", False)
-    assert ids(checks.check_skip_locked(databases=["default"])) == [checks.W022]
-    assert checks.check_skip_locked(databases=[]) == []
+    assert ids(run(checks.W022, databases=["default"])) == [checks.W022]
+    assert run(checks.W022, databases=[]) == []
+    assert run(checks.W022) == []  # plain `manage.py check` does not ask the database

@@ -6,35 +6,68 @@ setting's order. Instances are built per relay and reused across its batches.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from django_idempotency.conf import conf, import_setting
+from django.utils.module_loading import import_string
+
+from django_idempotency.conf import conf
 from django_idempotency.exceptions import IdempotencyConfigurationError, UnroutableTopic
 from django_idempotency.publishers.base import Publisher
+
+#: The setting every message below names.
+SETTING = "IDEMPOTENCY['OUTBOX_PUBLISHERS']"
+_SPEC_KEYS = frozenset({"BACKEND", "OPTIONS"})
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
     pattern: str
     backend: str
-    options: Mapping[str, Any]
+    #: Kept out of the repr: options hold signing secrets and broker passwords.
+    options: Mapping[str, Any] = field(repr=False)
+
+
+def route_setting(pattern: str) -> str:
+    """``IDEMPOTENCY['OUTBOX_PUBLISHERS']['orders.*']``: where a route's problem lies."""
+    return f"{SETTING}[{pattern!r}]"
+
+
+def _names(keys: Any) -> str:
+    """Key names for a message, each cut short: names, never the values beside them."""
+    return ", ".join(repr(key[:40]) if isinstance(key, str) else type(key).__name__ for key in keys)
+
+
+def spec_problem(spec: Any) -> str | None:
+    """What is wrong with one route's spec, in words that never quote an option value."""
+    if isinstance(spec, str):
+        return None
+    if not isinstance(spec, Mapping):
+        return (
+            f"must be a dotted path or {{'BACKEND': 'dotted.path', 'OPTIONS': {{...}}}}, "
+            f"not a {type(spec).__name__}"
+        )
+    unknown = [key for key in spec if key not in _SPEC_KEYS]
+    if unknown:
+        return f"has {_names(unknown)} beside BACKEND and OPTIONS; put publisher options in OPTIONS"
+    if not isinstance(spec.get("BACKEND"), str):
+        return "needs 'BACKEND', the dotted path of a Publisher subclass"
+    if not isinstance(spec.get("OPTIONS", {}), Mapping):
+        return f"has OPTIONS that are a {type(spec['OPTIONS']).__name__}, not a dict"
+    return None
 
 
 def parse_spec(pattern: str, spec: Any) -> Route:
     """A route from a dotted path or ``{"BACKEND": path, "OPTIONS": {...}}``."""
+    problem = spec_problem(spec)
+    if problem is not None:
+        raise IdempotencyConfigurationError(f"{route_setting(pattern)} {problem}.")
     if isinstance(spec, str):
         return Route(pattern, spec, {})
-    if isinstance(spec, Mapping) and isinstance(spec.get("BACKEND"), str):
-        options = spec.get("OPTIONS", {})
-        if isinstance(options, Mapping) and set(spec) <= {"BACKEND", "OPTIONS"}:
-            return Route(pattern, spec["BACKEND"], options)
-    raise IdempotencyConfigurationError(
-        f"IDEMPOTENCY['OUTBOX_PUBLISHERS'][{pattern!r}] must be a dotted path or "
-        f"{{'BACKEND': 'dotted.path', 'OPTIONS': {{...}}}}, not {spec!r}."
-    )
+    return Route(pattern, spec["BACKEND"], spec.get("OPTIONS", {}))
 
 
 def resolve_route(topic: str, routes: Mapping[str, Any] | None = None) -> Route:
@@ -47,24 +80,59 @@ def resolve_route(topic: str, routes: Mapping[str, Any] | None = None) -> Route:
             return parse_spec(pattern, spec)
     raise UnroutableTopic(
         f"No publisher for topic {topic!r}: add a matching pattern to "
-        f"IDEMPOTENCY['OUTBOX_PUBLISHERS'], for example {{{topic!r}: "
+        f"{SETTING}, for example {{{topic!r}: "
         f"'django_idempotency.publishers.celery.CeleryPublisher'}} or {{'*': ...}}."
     )
 
 
+def options_problem(backend: type[Publisher], options: Mapping[str, Any]) -> str | None:
+    """The option names the publisher's signature refuses (unknown, missing), else None."""
+    parameters = inspect.signature(backend).parameters.values()
+    named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    unknown = [] if takes_any else [name for name in options if name not in {p.name for p in named}]
+    missing = [
+        p.name
+        for p in parameters
+        if p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name not in options
+    ]
+    problems = [f"unknown {_names(unknown)}"] if unknown else []
+    problems += [f"missing {_names(missing)}"] if missing else []
+    return "; ".join(problems) or None
+
+
 def build(route: Route) -> Publisher:
-    setting = f"OUTBOX_PUBLISHERS[{route.pattern!r}]"
-    backend = import_setting(setting, route.backend)
+    """The route's publisher. Errors name the route and the problem, never an option's value."""
+    where = route_setting(route.pattern)
+    try:
+        backend = import_string(route.backend)
+    except ImportError as exc:
+        raise IdempotencyConfigurationError(
+            f"{where}: BACKEND {route.backend!r} could not be imported: {exc}."
+        ) from exc
     if not (isinstance(backend, type) and issubclass(backend, Publisher)):
         raise IdempotencyConfigurationError(
-            f"IDEMPOTENCY[{setting!r}] = {route.backend!r} is not a Publisher subclass."
+            f"{where}: {route.backend!r} is not a Publisher subclass."
+        )
+    problem = options_problem(backend, route.options)
+    if problem is not None:
+        raise IdempotencyConfigurationError(
+            f"{where}: {backend.__name__} does not accept these OPTIONS: {problem}."
         )
     try:
         return backend(**route.options)
-    except TypeError as exc:
+    except IdempotencyConfigurationError as exc:
+        # A publisher's own validation: its message is written not to quote values.
+        raise IdempotencyConfigurationError(f"{where}: {exc}") from None
+    except Exception as exc:
+        # Anything else may quote what it was given (a URL with its password): name the type
+        # only, and drop the chain so a traceback cannot print it either.
         raise IdempotencyConfigurationError(
-            f"IDEMPOTENCY[{setting!r}] has options {backend.__name__} does not accept: {exc}"
-        ) from exc
+            f"{where}: {backend.__name__} does not accept these OPTIONS "
+            f"({_names(route.options)}): its constructor raised {type(exc).__name__}."
+        ) from None
 
 
 class PublisherSet:
