@@ -12,6 +12,7 @@ from django.http import HttpResponseBase
 
 from django_idempotency.conf import GUARDED_METHODS
 from django_idempotency.request import lifecycle
+from django_idempotency.request.fingerprint import DJANGO_LIMIT, BodyLimit
 
 __all__ = ["idempotent"]
 
@@ -29,6 +30,7 @@ def idempotent(
     methods: Collection[str] = ...,
     should_store: Callable[[HttpResponseBase], bool] | None = ...,
     heartbeat: bool | None = ...,
+    max_body: BodyLimit = ...,
 ) -> Callable[[ViewFunc], ViewFunc]: ...
 
 
@@ -38,6 +40,7 @@ def idempotent(
     methods: Collection[str] = GUARDED_METHODS,
     should_store: Callable[[HttpResponseBase], bool] | None = None,
     heartbeat: bool | None = None,
+    max_body: BodyLimit = DJANGO_LIMIT,
 ) -> Any:
     """Make a function view idempotent for ``methods``.
 
@@ -48,12 +51,16 @@ def idempotent(
         @idempotent
         def create_payment(request): ...
 
-    An ``async def`` view gets the same guarantees as a sync one.
+    An ``async def`` view gets the same guarantees as a sync one. ``max_body`` lets a view
+    that reads a large raw body from its stream accept more than Django's
+    ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (bytes, or None for no bound): the fingerprint hashes the
+    body as it streams and hands it back to the view.
     """
     options = lifecycle.Options(
         methods=frozenset(method.upper() for method in methods),
         should_store=should_store or lifecycle.default_should_store,
         heartbeat=heartbeat,
+        max_body=max_body,
     )
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,6 +21,8 @@ from django_idempotency.core.types import Conflict, Mismatch, Proceed, Replay
 from django_idempotency.exceptions import IdempotencyHTTPError
 from django_idempotency.request import lifecycle
 from django_idempotency.request.fingerprint import (
+    DJANGO_LIMIT,
+    BodyLimit,
     hand_over_cleanup,
     prepare_body,
     request_fingerprint,
@@ -48,6 +50,8 @@ class IdempotencyMixin(_Base):
     idempotent_methods: Collection[str] = GUARDED_METHODS
     #: Extend the lease from a background thread while a slow handler runs (None: the setting).
     idempotency_heartbeat: bool | None = None
+    #: The largest raw body the fingerprint reads (see ``@idempotent``'s ``max_body``).
+    idempotency_max_body: BodyLimit = DJANGO_LIMIT
 
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
@@ -67,7 +71,7 @@ class IdempotencyMixin(_Base):
 
     def get_idempotency_fingerprint(self, request: Request) -> str:
         """What a retry must repeat: method, path and canonical body."""
-        return request_fingerprint(request._request)
+        return request_fingerprint(request._request, max_body=self.idempotency_max_body)
 
     def should_store_response(self, response: HttpResponseBase) -> bool:
         """Whether a response is final; by default its status is in ``STORED_STATUS_CODES``."""
@@ -78,6 +82,7 @@ class IdempotencyMixin(_Base):
             methods=frozenset(self.idempotent_methods),
             should_store=self.should_store_response,
             heartbeat=self.idempotency_heartbeat,
+            max_body=self.idempotency_max_body,
         )
 
     # --- the door ------------------------------------------------------------------------------
@@ -151,7 +156,7 @@ def serve_api_view(
         options,
         view=func,
         scope=partial(resolve_scope, request),
-        fingerprint=partial(request_fingerprint, request._request),
+        fingerprint=partial(request_fingerprint, request._request, max_body=options.max_body),
         error_response=error_response,
     )
 

@@ -5,7 +5,7 @@ is never claimed, and its body never read), after every other middleware's reque
 (sessions, authentication), and after the ``process_view`` of the middleware listed before it
 (CSRF). It then calls the resolved view itself, inside the claim's transactions, the way
 ``@idempotent`` does. So put it **last** in ``MIDDLEWARE``: a ``process_view`` of a middleware
-listed after it would be skipped for guarded requests (system check E050 says so).
+listed after it would be skipped for guarded requests (system check E013 says so).
 
 Only paths that match one of ``MIDDLEWARE_PATHS`` (regular expressions, searched in
 ``request.path_info``) and methods in ``MIDDLEWARE_METHODS`` are guarded. Views behind it that

@@ -212,6 +212,34 @@ def test_a_raw_body_over_djangos_limit_is_refused_before_the_view(client, key):
     assert not IdempotencyRecord.objects.filter(key=key).exists()
 
 
+@override_settings(DATA_UPLOAD_MAX_MEMORY_SIZE=1024, FILE_UPLOAD_MAX_MEMORY_SIZE=1024)
+def test_a_view_that_streams_its_body_can_accept_more_than_djangos_limit(client, key):
+    """``@idempotent(max_body=None)``: hashed as it streams, spooled, and read by the view."""
+    body = b"z" * 5_000_000
+    first = client.post(
+        "/plain/raw-stream/",
+        body,
+        content_type="application/octet-stream",
+        HTTP_IDEMPOTENCY_KEY=key,
+    )
+    assert first.status_code == 201 and first.json() == {"bytes": 5_000_000}
+    again = client.post(
+        "/plain/raw-stream/",
+        body,
+        content_type="application/octet-stream",
+        HTTP_IDEMPOTENCY_KEY=key,
+    )
+    assert again["Idempotent-Replay"] == "true"
+    other = client.post(
+        "/plain/raw-stream/",
+        body[:-1] + b"y",
+        content_type="application/octet-stream",
+        HTTP_IDEMPOTENCY_KEY=key,
+    )
+    assert other.status_code == 422
+    assert Widget.objects.count() == 1
+
+
 def test_signals_follow_the_requests(client, key):
     seen = []
 

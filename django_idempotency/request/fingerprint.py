@@ -48,6 +48,9 @@ class _BodyLimit(enum.Enum):
 #: ``settings.DATA_UPLOAD_MAX_MEMORY_SIZE``.
 DJANGO_LIMIT: Final = _BodyLimit.DJANGO
 
+#: What ``max_body`` may be: a number of bytes, None for no bound, or :data:`DJANGO_LIMIT`.
+BodyLimit = int | None | Literal[_BodyLimit.DJANGO]
+
 
 def canonical_path(request: HttpRequest) -> str:
     """Path plus the query string with its parameters in sorted order."""
@@ -61,16 +64,14 @@ def canonical_path(request: HttpRequest) -> str:
 def recorded_path(request: HttpRequest) -> str:
     """:func:`canonical_path` as the record stores it, control characters percent-encoded.
 
-    The middleware claims before URL resolution, so any path reaches the record: PostgreSQL
-    text cannot hold NUL, and CR/LF have no place in an admin column. The fingerprint still
+    Any path a view is routed on reaches the record: PostgreSQL text cannot hold NUL, and CR/LF
+    have no place in an admin column. The fingerprint still
     hashes the path itself.
     """
     return _CONTROL_CHARS.sub(lambda char: f"%{ord(char.group()):02X}", canonical_path(request))
 
 
-def request_fingerprint(
-    request: HttpRequest, *, max_body: int | None | Literal[_BodyLimit.DJANGO] = DJANGO_LIMIT
-) -> str:
+def request_fingerprint(request: HttpRequest, *, max_body: BodyLimit = DJANGO_LIMIT) -> str:
     """Hex SHA-256 identifying what the request asks for, independent of body formatting.
 
     ``max_body`` is the largest body, in bytes, that is not multipart the fingerprint reads; a

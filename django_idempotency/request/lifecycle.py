@@ -57,6 +57,8 @@ from django_idempotency.exceptions import (
 )
 from django_idempotency.request import cache, events, store
 from django_idempotency.request.fingerprint import (
+    DJANGO_LIMIT,
+    BodyLimit,
     hand_over_cleanup,
     recorded_path,
     request_fingerprint,
@@ -116,6 +118,9 @@ class Options:
     should_store: Callable[[HttpResponseBase], bool] = default_should_store
     #: Extend the lease from a background thread while the view runs (None: the setting).
     heartbeat: bool | None = None
+    #: The largest body (not multipart) the fingerprint reads: Django's own
+    #: ``DATA_UPLOAD_MAX_MEMORY_SIZE`` by default; more only for a view that streams its body.
+    max_body: BodyLimit = DJANGO_LIMIT
 
 
 DEFAULT_OPTIONS = Options()
@@ -358,7 +363,8 @@ def serve(
         decision = admit(
             request,
             scope=scope or partial(resolve_scope, request),
-            fingerprint=fingerprint or partial(request_fingerprint, request),
+            fingerprint=fingerprint
+            or partial(request_fingerprint, request, max_body=options.max_body),
         )
         match decision:
             case None:

@@ -22,6 +22,7 @@ urlpatterns = [
     path("plain/middleware/", views.plain_undecorated_view),
     path("plain/upload/", idempotent(views.upload_view)),
     path("plain/raw/", idempotent(views.raw_body_view)),
+    path("plain/raw-stream/", idempotent(max_body=None)(views.raw_body_view)),
     path("async/widget/", views.async_view),
     path("plain/publish/", views.publish_view),
     path("plain/relay/", views.relay_view),
