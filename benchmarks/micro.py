@@ -1,11 +1,11 @@
-"""In-process microbenchmark: microseconds the engine adds to a request, per database backend.
+"""In-process microbenchmark: microseconds the lifecycle adds to a request, per database backend.
 
 For each backend (SQLite always; PostgreSQL and MariaDB when their URL answers) and with and
 without the Redis fast path, it times in one process, interleaved:
 
 * baseline: the same trivial view inside ``transaction.atomic`` (what a plain write view pays);
-* claim + complete: ``engine.claim`` with a new key, then ``engine.run`` storing the response;
-* replay: ``engine.claim`` of a completed key and rebuilding the response.
+* claim + complete: ``lifecycle.claim`` with a new key, then ``lifecycle.run`` storing it;
+* replay: ``lifecycle.claim`` of a completed key and rebuilding the response.
 
 and reports p50 and mean microseconds added over the baseline. Each backend runs in a fresh
 subprocess, since Django's settings are per process.
@@ -40,13 +40,14 @@ def measure(iterations: int, use_redis: bool) -> dict[str, Any]:
     from django.http import HttpResponse
     from django.test import override_settings
 
-    from django_idempotency.request import engine
+    from django_idempotency.core import types
+    from django_idempotency.request import lifecycle
 
     def view() -> HttpResponse:
         return HttpResponse(b'{"id": 1}', status=201, content_type="application/json")
 
-    def identity(key: str) -> engine.Identity:
-        return engine.Identity("user:1", key, "f" * 64, "POST", "/api/v1/payments/")
+    def identity(key: str) -> types.Identity:
+        return types.Identity("user:1", key, "f" * 64, "POST", "/api/v1/payments/")
 
     timings: dict[str, list[float]] = {"baseline": [], "claim_complete": [], "replay": []}
     cpu: dict[str, list[float]] = {name: [] for name in timings}
@@ -54,9 +55,9 @@ def measure(iterations: int, use_redis: bool) -> dict[str, Any]:
     replay_key = f"replay-{uuid.uuid4()}"
     alias = "redis" if use_redis else None
     with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "CACHE_ALIAS": alias}):
-        first = engine.claim(identity(replay_key))
-        assert isinstance(first, engine.Proceed)
-        engine.run(first.lease, view)
+        first = lifecycle.claim(identity(replay_key))
+        assert isinstance(first, types.Proceed)
+        lifecycle.run(first.lease, view)
         for _ in range(iterations):
             start, start_cpu = time.perf_counter_ns(), clock()
             with transaction.atomic():
@@ -65,16 +66,16 @@ def measure(iterations: int, use_redis: bool) -> dict[str, Any]:
             cpu["baseline"].append(clock() - start_cpu)
 
             start, start_cpu = time.perf_counter_ns(), clock()
-            decision = engine.claim(identity(str(uuid.uuid4())))
-            assert isinstance(decision, engine.Proceed)
-            engine.run(decision.lease, view)
+            decision = lifecycle.claim(identity(str(uuid.uuid4())))
+            assert isinstance(decision, types.Proceed)
+            lifecycle.run(decision.lease, view)
             timings["claim_complete"].append(time.perf_counter_ns() - start)
             cpu["claim_complete"].append(clock() - start_cpu)
 
             start, start_cpu = time.perf_counter_ns(), clock()
-            replay = engine.claim(identity(replay_key))
-            assert isinstance(replay, engine.Replay)
-            engine.replay(replay)
+            replay = lifecycle.claim(identity(replay_key))
+            assert isinstance(replay, types.Replay)
+            lifecycle.replay(replay.response)
             timings["replay"].append(time.perf_counter_ns() - start)
             cpu["replay"].append(clock() - start_cpu)
     base = statistics.median(timings["baseline"]) / 1000
