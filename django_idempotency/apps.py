@@ -3,6 +3,8 @@ from importlib.util import find_spec
 from django.apps import AppConfig
 from django.utils.translation import gettext_lazy as _
 
+__all__ = ["IdempotencyConfig"]
+
 
 class IdempotencyConfig(AppConfig):
     name = "django_idempotency"

@@ -14,6 +14,25 @@ from django.utils.module_loading import import_string
 
 from django_idempotency.exceptions import IdempotencyConfigurationError
 
+__all__ = [
+    "BOOLEAN_MESSAGE",
+    "CREDENTIAL_SCOPE_MESSAGE",
+    "DEFAULTS",
+    "FALSE_STRINGS",
+    "GUARDED_METHODS",
+    "HEADER_NAMES_MESSAGE",
+    "IdempotencySettings",
+    "SENSITIVE_HEADERS",
+    "TRUE_STRINGS",
+    "conf",
+    "import_setting",
+    "parse_bool",
+    "parse_credential_scope",
+    "parse_header_names",
+    "parse_int",
+    "parse_number",
+]
+
 #: The methods guarded unless a view or a setting says otherwise: the non-idempotent ones whose
 #: repetition changes something. PUT and DELETE are idempotent by HTTP's own definition.
 GUARDED_METHODS = ("POST", "PATCH")

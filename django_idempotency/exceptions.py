@@ -11,6 +11,27 @@ from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 
+__all__ = [
+    "BrokerUnavailable",
+    "CredentialsNotScoped",
+    "DuplicateEventId",
+    "IdempotencyConfigurationError",
+    "IdempotencyError",
+    "IdempotencyHTTPError",
+    "IdempotencyKeyInvalid",
+    "IdempotencyKeyMissing",
+    "LeaseLost",
+    "LeaseLostConflict",
+    "OutboxError",
+    "PayloadMismatch",
+    "PublishError",
+    "ResponseNotRetained",
+    "StoreUnavailable",
+    "TransactionInProgress",
+    "TransactionRequired",
+    "UnroutableTopic",
+]
+
 if TYPE_CHECKING:
     from rest_framework.exceptions import APIException as _HTTPBase
 else:

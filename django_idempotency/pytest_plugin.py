@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+__all__ = ["assert_publishes", "deliver_concurrently", "deliver_twice", "outbox_relay"]
+
 
 @pytest.fixture
 def outbox_relay() -> Iterator[Any]:

@@ -8,6 +8,25 @@ further down name their senders.
 
 from django.dispatch import Signal
 
+__all__ = [
+    "claim_finished",
+    "duplicate_skipped",
+    "event_dead",
+    "event_enqueued",
+    "event_published",
+    "fast_path_failed",
+    "key_claimed",
+    "key_released",
+    "key_taken_over",
+    "lease_lost",
+    "payload_mismatched",
+    "publish_failed",
+    "request_completed",
+    "request_conflicted",
+    "response_replayed",
+    "rows_swept",
+]
+
 #: A request claimed a key and is about to run. kwargs: ``scope``, ``key``, ``attempt``.
 key_claimed = Signal()
 

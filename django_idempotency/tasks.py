@@ -20,6 +20,15 @@ from typing import Any, TypeVar
 
 from django_idempotency.conf import conf
 
+__all__ = [
+    "BEAT_SCHEDULE",
+    "kick_relay",
+    "relay_outbox",
+    "sweep_idempotency_records",
+    "sweep_outbox_events",
+    "sweep_processed_messages",
+]
+
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -20,6 +20,16 @@ from django_idempotency.outbox.relay import Relay, RelayStats
 from django_idempotency.publishers.base import OutboxMessage
 from django_idempotency.publishers.memory import broker
 
+__all__ = [
+    "MEMORY_ROUTES",
+    "OutboxRecorder",
+    "assert_publishes",
+    "capture_events",
+    "deliver_concurrently",
+    "deliver_twice",
+    "relay_now",
+]
+
 #: ``OUTBOX_PUBLISHERS`` that sends every topic to the in-memory broker.
 MEMORY_ROUTES = {"*": "django_idempotency.publishers.memory.MemoryPublisher"}
 

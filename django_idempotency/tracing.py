@@ -14,6 +14,18 @@ from typing import TYPE_CHECKING, Any
 from django_idempotency import __version__
 from django_idempotency.conf import conf
 
+__all__ = [
+    "AttributeValue",
+    "TRACEPARENT",
+    "TRACER_NAME",
+    "consumer_span",
+    "current_traceparent",
+    "enabled",
+    "producer_span",
+    "set_error",
+    "step_span",
+]
+
 if TYPE_CHECKING:
     from opentelemetry import trace as otel_trace
     from opentelemetry.trace import Span

@@ -2,3 +2,5 @@
 
 Nothing here imports Django, a database driver or any other module of this package.
 """
+
+__all__: list[str] = []

@@ -25,6 +25,16 @@ from django_idempotency import signals, tracing
 from django_idempotency.exceptions import IdempotencyError
 from django_idempotency.models import ProcessedMessage
 
+__all__ = [
+    "CONSUME_SPAN",
+    "Consumption",
+    "DERIVED_ID_NAMESPACE",
+    "EVENT_ID_HEADER",
+    "consume_once",
+    "derived_event_id",
+    "idempotent_consumer",
+]
+
 logger = logging.getLogger(__name__)
 
 #: Namespace of the event ids derived from a consumed message (uuid5).

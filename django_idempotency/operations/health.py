@@ -28,6 +28,23 @@ from django_idempotency.conf import conf
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
 from django_idempotency.querysets import OutboxStatus, RecordStatus
 
+__all__ = [
+    "COUNT_LIMIT",
+    "Figure",
+    "OLDEST_PENDING_SAMPLE",
+    "OutboxHealth",
+    "RowCount",
+    "SECTIONS",
+    "Section",
+    "count_rows",
+    "elapsed",
+    "outbox_health",
+    "outbox_section",
+    "planner_estimate",
+    "records_section",
+    "snapshot",
+]
+
 #: Exact counts stop here; what lies beyond is estimated (PostgreSQL) or shown as "10,000+".
 COUNT_LIMIT = 10_000
 

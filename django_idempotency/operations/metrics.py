@@ -27,6 +27,26 @@ from django_idempotency.conf import conf
 from django_idempotency.models import OutboxEvent
 from django_idempotency.operations import health
 
+__all__ = [
+    "CLAIMS",
+    "CLAIM_DURATION",
+    "COMPLETIONS",
+    "CONSUMER_DUPLICATES",
+    "LEASES_LOST",
+    "OUTBOX_DEAD",
+    "OUTBOX_PUBLISHED",
+    "OUTBOX_PUBLISH_FAILURES",
+    "OUTBOX_PUBLISH_LATENCY",
+    "OutboxCollector",
+    "PREFIX",
+    "RECEIVERS",
+    "RELEASES",
+    "Receiver",
+    "SWEPT_ROWS",
+    "TAKEOVERS",
+    "connect",
+]
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "django_idempotency_"

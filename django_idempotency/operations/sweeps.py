@@ -21,6 +21,8 @@ from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 
+__all__ = ["SWEEPS", "sweep_expired_records", "sweep_processed_messages", "sweep_published_events"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -19,6 +19,8 @@ from django_idempotency.exceptions import (
 )
 from django_idempotency.publishers.base import OutboxMessage, Publisher, to_json
 
+__all__ = ["AMQPPublisher", "PERSISTENT"]
+
 PERSISTENT = 2
 
 

@@ -14,6 +14,8 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django_idempotency.exceptions import BrokerUnavailable
 from django_idempotency.tracing import TRACEPARENT
 
+__all__ = ["OutboxMessage", "Publisher", "to_json"]
+
 if TYPE_CHECKING:
     from django_idempotency.models import OutboxEvent
 

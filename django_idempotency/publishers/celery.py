@@ -12,6 +12,8 @@ from django_idempotency.conf import import_setting
 from django_idempotency.exceptions import BrokerUnavailable, PublishError
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 
+__all__ = ["CeleryPublisher", "EVENT_ID_HEADER", "EVENT_KEY_HEADER", "EVENT_TOPIC_HEADER"]
+
 #: Message headers every task sent by this publisher carries.
 EVENT_ID_HEADER = "event_id"
 EVENT_TOPIC_HEADER = "event_topic"

@@ -7,6 +7,8 @@ from typing import Any
 
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 
+__all__ = ["LoggingPublisher"]
+
 logger = logging.getLogger(__name__)
 
 

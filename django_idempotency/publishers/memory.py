@@ -9,6 +9,8 @@ from typing import Any
 from django_idempotency.exceptions import PublishError
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 
+__all__ = ["MemoryBroker", "MemoryPublisher", "broker"]
+
 
 class MemoryBroker:
     """Process-wide store shared by every :class:`MemoryPublisher` (the relay builds new ones)."""

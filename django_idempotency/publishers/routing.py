@@ -18,6 +18,18 @@ from django_idempotency.conf import conf
 from django_idempotency.exceptions import IdempotencyConfigurationError, UnroutableTopic
 from django_idempotency.publishers.base import Publisher
 
+__all__ = [
+    "PublisherSet",
+    "Route",
+    "SETTING",
+    "build",
+    "options_problem",
+    "parse_spec",
+    "resolve_route",
+    "route_setting",
+    "spec_problem",
+]
+
 #: The setting every message below names.
 SETTING = "IDEMPOTENCY['OUTBOX_PUBLISHERS']"
 _SPEC_KEYS = frozenset({"BACKEND", "OPTIONS"})

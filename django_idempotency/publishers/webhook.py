@@ -26,6 +26,16 @@ from django_idempotency.exceptions import (
 )
 from django_idempotency.publishers.base import OutboxMessage, Publisher, to_json
 
+__all__ = [
+    "MASK",
+    "SECRET_SEGMENT_LENGTH",
+    "SIGNATURE_HEADER",
+    "WebhookPublisher",
+    "redact_url",
+    "sign",
+    "verify_signature",
+]
+
 if TYPE_CHECKING:
     import httpx
 

@@ -5,3 +5,5 @@ lifecycle's terms; the lifecycle drives claim, run, complete or release through 
 (the database) and the optional Redis cache; the rules themselves are in
 :mod:`django_idempotency.core.statemachine`.
 """
+
+__all__: list[str] = []

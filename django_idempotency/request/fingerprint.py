@@ -29,6 +29,16 @@ from django.http import HttpRequest, HttpResponseBase, QueryDict
 from django.http.multipartparser import MultiPartParser, MultiPartParserError
 from django.utils.datastructures import MultiValueDict
 
+__all__ = [
+    "BodyLimit",
+    "DJANGO_LIMIT",
+    "canonical_path",
+    "hand_over_cleanup",
+    "prepare_body",
+    "recorded_path",
+    "request_fingerprint",
+]
+
 _CHUNK = 64 * 1024
 #: What decoding a body under a client's declared charset may raise besides a clean
 #: UnicodeDecodeError: a codec that is not a text encoding (``charset=base64``), or one that
