@@ -6,6 +6,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
+from django_idempotency.core.types import MAX_KEY_LENGTH, MAX_SCOPE_LENGTH
 from django_idempotency.querysets import (
     IdempotencyRecordQuerySet,
     OutboxEventQuerySet,
@@ -22,13 +23,15 @@ class IdempotencyRecord(models.Model):
 
     scope = models.CharField(
         _("scope"),
-        max_length=255,
+        max_length=MAX_SCOPE_LENGTH,
         help_text=_(
             "Who sent the key (by default the user); the same key in two scopes is two records."
         ),
     )
     key = models.CharField(
-        _("key"), max_length=255, help_text=_("The Idempotency-Key header as the client sent it.")
+        _("key"),
+        max_length=MAX_KEY_LENGTH,
+        help_text=_("The Idempotency-Key header as the client sent it."),
     )
     fingerprint = models.CharField(
         _("fingerprint"),

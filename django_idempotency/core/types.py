@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 __all__ = [
+    "MAX_KEY_LENGTH",
+    "MAX_SCOPE_LENGTH",
     "Conflict",
     "Decision",
     "Identity",
@@ -21,6 +23,11 @@ __all__ = [
     "Replay",
     "StoredResponse",
 ]
+
+#: The longest key a client may send (characters); the record's key column holds this many.
+MAX_KEY_LENGTH = 255
+#: The record's scope column holds this many characters; longer scopes are hashed to fit.
+MAX_SCOPE_LENGTH = 255
 
 
 @dataclass(frozen=True, slots=True)

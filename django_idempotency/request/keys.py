@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from django.utils.crypto import salted_hmac
 
+from django_idempotency.core.types import MAX_KEY_LENGTH
 from django_idempotency.exceptions import IdempotencyKeyInvalid
 
 __all__ = ["MAX_KEY_LENGTH", "parse_key", "redact"]
 
-MAX_KEY_LENGTH = 255
 
 _BARE_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F)) - {",", '"', "\\"}
 _QUOTED_CHARS = frozenset(chr(c) for c in range(0x20, 0x7F))

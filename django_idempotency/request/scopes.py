@@ -17,12 +17,10 @@ from typing import Any
 from django.utils.crypto import salted_hmac
 
 from django_idempotency.conf import conf
+from django_idempotency.core.types import MAX_SCOPE_LENGTH
 from django_idempotency.exceptions import CredentialsNotScoped
 
 __all__ = ["MAX_SCOPE_LENGTH", "resolve_scope", "user_scope"]
-
-#: The record's scope column holds this many characters; longer scopes are hashed to fit.
-MAX_SCOPE_LENGTH = 255
 
 #: Salt of the credentials digest; the key is derived from SECRET_KEY, so the digest cannot be
 #: recomputed (or its credentials guessed) from the database alone.
