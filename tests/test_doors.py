@@ -261,3 +261,27 @@ def test_a_drf_refusal_behind_the_middleware_is_not_stored(http, key):
     refused = send(http, "middleware-drf", key, HTTP_AUTHORIZATION="Token not-a-token")
     assert refused.status_code == 401
     assert record_of(key) is None
+
+
+# --- log lines name the key and the path (issue: first hour) ---------------------------------------
+
+
+@pytest.mark.parametrize("door", ALL)
+def test_replay_and_conflict_log_lines_carry_the_key_method_and_path(http, door, key, caplog):
+    from django_idempotency.request.keys import redact
+
+    send(http, door, key, name="a")
+    with caplog.at_level("INFO", logger="django_idempotency.request"):
+        send(http, door, key, name="a")
+        send(http, door, key, name="b")
+    lines = {
+        record.idempotency_event: record
+        for record in caplog.records
+        if hasattr(record, "idempotency_event")
+    }
+    for event in ("replayed", "mismatched"):
+        line = lines[event]
+        assert line.idempotency_key == redact(key)
+        assert line.idempotency_method == "POST"
+        assert line.idempotency_path == doors.DOORS[door]
+        assert key not in line.getMessage()
