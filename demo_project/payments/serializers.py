@@ -67,6 +67,15 @@ class PaymentStatusSerializer(serializers.ModelSerializer[Payment]):
         fields = ["transaction_id", "status", "processed_at"]
         read_only_fields = ["transaction_id", "processed_at"]
 
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # PATCH validates partially, which skips required fields; but status is the one thing
+        # this serializer changes, so a PATCH without it is a field error, not a no-op.
+        if "status" not in attrs:
+            raise serializers.ValidationError(
+                {"status": [self.fields["status"].error_messages["required"]]}, code="required"
+            )
+        return attrs
+
     def update(self, instance: Payment, validated_data: dict[str, Any]) -> Payment:
         return services.change_status(
             instance, validated_data["status"], fault=self.context.get("fault")
