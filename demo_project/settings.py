@@ -155,9 +155,14 @@ IDEMPOTENCY["OUTBOX_KICK"] = "django_idempotency.tasks.kick_relay"
 DEMO_FAULTS = env.bool("DEMO_FAULTS", default=False)
 
 if find_spec("drf_spectacular") is not None:
-    INSTALLED_APPS.append("drf_spectacular")
+    # Swagger UI's files come from drf-spectacular-sidecar, served by this app like the admin's
+    # (see demo_project/urls.py): the front page works without internet.
+    INSTALLED_APPS += ["drf_spectacular", "drf_spectacular_sidecar"]
     REST_FRAMEWORK["DEFAULT_SCHEMA_CLASS"] = "drf_spectacular.openapi.AutoSchema"
     SPECTACULAR_SETTINGS = {
+        "SWAGGER_UI_DIST": "SIDECAR",
+        "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+        "REDOC_DIST": "SIDECAR",
         "TITLE": "django-idempotency demo payments API",
         "DESCRIPTION": (
             "Payments between seeded accounts. POST and PATCH take an Idempotency-Key header: "
