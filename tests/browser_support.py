@@ -33,7 +33,7 @@ FLAGS = (
     "--disable-sync",
     "--hide-scrollbars",
     # Offline but for this machine: any other host fails to resolve.
-    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost",
 )
 
 
@@ -97,14 +97,25 @@ def set_width(driver: Any, width: int) -> None:
         driver.set_window_size(size["width"] + width - inner, size["height"])
 
 
-def clipped_columns(driver: Any, table_css: str = "#result_list") -> list[str]:
-    """The header cells of a table whose right edge lies beyond the viewport's."""
+def clipped(driver: Any) -> list[str]:
+    """What on the page ends beyond the right edge of the space it is shown in: changelist
+    header cells past their scrolling results box or the viewport, and change-page rows and
+    fieldsets past the viewport. An empty list when nothing needs scrolling sideways."""
     return driver.execute_script(
         """
-        const width = document.documentElement.clientWidth;
-        return Array.from(document.querySelectorAll(arguments[0] + " thead th"))
-            .filter((th) => th.getBoundingClientRect().right > width + 0.5)
-            .map((th) => th.textContent.trim() || th.className);
-        """,
-        table_css,
+        const viewport = document.documentElement.clientWidth;
+        const cut = [];
+        const label = (el) => (el.textContent.trim().split("\\n")[0] || el.className).trim();
+        for (const th of document.querySelectorAll("#result_list thead th")) {
+            const box = th.closest(".results") || document.documentElement;
+            const right = Math.min(viewport, box.getBoundingClientRect().right);
+            if (th.getBoundingClientRect().right > right + 0.5) cut.push(label(th));
+        }
+        for (const el of document.querySelectorAll("#content fieldset, #content .form-row, "
+                                                   + "#content .submit-row")) {
+            if (el.getBoundingClientRect().right > viewport + 0.5) cut.push(label(el));
+        }
+        if (document.documentElement.scrollWidth > viewport + 0.5) cut.push("(the page)");
+        return cut;
+        """
     )
