@@ -90,6 +90,11 @@ REST_FRAMEWORK: dict[str, Any] = {
     # The quick start lets curl in without credentials: those requests share the one anonymous
     # scope (IDEMPOTENCY["ANONYMOUS_SCOPE"]); the demo user's keys live in a scope of its own.
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
+    # The browsable API with an Idempotency-Key field, so its forms can pay and refund.
+    "DEFAULT_RENDERER_CLASSES": [
+        "rest_framework.renderers.JSONRenderer",
+        "django_idempotency.browsable.IdempotentBrowsableAPIRenderer",
+    ],
 }
 
 IDEMPOTENCY: dict[str, Any] = {

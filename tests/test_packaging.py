@@ -61,6 +61,7 @@ def test_the_wheel_carries_the_modules_and_the_runtime_data(built: Built) -> Non
     modules = {name for name in files_under(PACKAGE) if name.endswith(".py")}
     assert modules - names == set()  # migrations included
     assert RUNTIME_DATA - names == set()
+    assert "django_idempotency/static/django_idempotency/browsable-api.js" in names
     assert not any(name.startswith(("tests/", "demo_project/", "benchmarks/")) for name in names)
 
 
