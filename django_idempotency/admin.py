@@ -45,6 +45,9 @@ else:  # generic only in the type stubs
 
 #: Bodies longer than this are cut in the detail page (the full body stays in the database).
 DISPLAY_BODY_CHARS = 64 * 1024
+#: JSON nested deeper than this is not indented: its indentation alone would outgrow the page
+#: (and the encoders recurse once or more per level).
+MAX_INDENT_DEPTH = 64
 
 # --- shared by every admin of this app -----------------------------------------------------------
 
@@ -200,17 +203,28 @@ def preformatted(text: str) -> SafeString:
     return format_html('<pre class="idempotency-pre">{}</pre>', text)
 
 
+def nesting_depth(value: Any) -> int:
+    """How deep lists and dicts nest in ``value``, counted without recursing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
+
+
 def pretty_json(value: Any) -> SafeString:
-    """JSON indented for reading, escaped so nothing in it becomes markup. The encoders recurse
-    once or more per level of nesting: too deep to indent, it is shown compact; too deep even
-    for that, the page says so rather than failing."""
-    for indent in (2, None):
-        try:
-            text = json.dumps(value, indent=indent, ensure_ascii=False, sort_keys=True)
-        except RecursionError:
-            continue
-        return preformatted(text)
-    return format_html("<em>{}</em>", _("Nested too deep to show here."))
+    """JSON indented for reading, escaped so nothing in it becomes markup; compact past
+    ``MAX_INDENT_DEPTH``. Too deep even for the compact encoder, the page says so rather than
+    failing."""
+    indent = 2 if nesting_depth(value) <= MAX_INDENT_DEPTH else None
+    try:
+        return preformatted(json.dumps(value, indent=indent, ensure_ascii=False, sort_keys=True))
+    except RecursionError:
+        return format_html("<em>{}</em>", _("Nested too deep to show here."))
 
 
 def pretty_body(body: bytes | memoryview | None, content_type: str) -> SafeString:
@@ -228,11 +242,11 @@ def pretty_body(body: bytes | memoryview | None, content_type: str) -> SafeStrin
         )
     if "json" in content_type.lower() or text.lstrip()[:1] in ("{", "["):
         try:
-            return preformatted(
-                json.dumps(json.loads(text), indent=2, ensure_ascii=False, sort_keys=True)
-            )
+            value = json.loads(text)
+            if nesting_depth(value) <= MAX_INDENT_DEPTH:
+                return pretty_json(value)
         except (ValueError, RecursionError):
-            pass  # not JSON after all, or nested too deep to indent: show the text as stored
+            pass  # not JSON after all, or too deep to parse: the text as stored
     return preformatted(text)
 
 
