@@ -15,7 +15,6 @@ With none set, the demo needs nothing but Python: SQLite, no Redis, no broker.
 
 from __future__ import annotations
 
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +90,11 @@ REST_FRAMEWORK: dict[str, Any] = {
     # The quick start lets curl in without credentials: those requests share the one anonymous
     # scope (IDEMPOTENCY["ANONYMOUS_SCOPE"]); the demo user's keys live in a scope of its own.
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
+    # The browsable API with an Idempotency-Key field, so its forms can pay and refund.
+    "DEFAULT_RENDERER_CLASSES": [
+        "rest_framework.renderers.JSONRenderer",
+        "django_idempotency.browsable.IdempotentBrowsableAPIRenderer",
+    ],
 }
 
 IDEMPOTENCY: dict[str, Any] = {
@@ -154,17 +158,27 @@ IDEMPOTENCY["OUTBOX_KICK"] = "django_idempotency.tasks.kick_relay"
 #: Fault injection for the tour: never turn it on outside the demo.
 DEMO_FAULTS = env.bool("DEMO_FAULTS", default=False)
 
-if find_spec("drf_spectacular") is not None:
-    INSTALLED_APPS.append("drf_spectacular")
-    REST_FRAMEWORK["DEFAULT_SCHEMA_CLASS"] = "drf_spectacular.openapi.AutoSchema"
-    SPECTACULAR_SETTINGS = {
-        "TITLE": "django-idempotency demo payments API",
-        "DESCRIPTION": (
-            "Payments between seeded accounts. POST and PATCH take an Idempotency-Key header: "
-            "retry with the same key and you get the first answer back, never a second payment."
-        ),
-        "VERSION": "1.0.0",
-    }
+# The OpenAPI schema (drf-spectacular) and Swagger UI, whose files come from
+# drf-spectacular-sidecar and are served by this app like the admin's (see demo_project/urls.py):
+# the front page works without internet.
+INSTALLED_APPS += ["drf_spectacular", "drf_spectacular_sidecar"]
+REST_FRAMEWORK["DEFAULT_SCHEMA_CLASS"] = "drf_spectacular.openapi.AutoSchema"
+SPECTACULAR_SETTINGS = {
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "TITLE": "django-idempotency demo payments API",
+    "DESCRIPTION": (
+        "Payments between seeded accounts. POST and PATCH take an Idempotency-Key header: "
+        "retry with the same key and you get the first answer back, never a second payment."
+    ),
+    "VERSION": "1.0.0",
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "demo_project.payments.schema.document_not_found",
+        "demo_project.payments.schema.link_payments",
+    ],
+}
 
 LOGGING = {
     "version": 1,

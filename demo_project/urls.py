@@ -1,8 +1,8 @@
-from django.apps import apps
 from django.contrib import admin
 from django.contrib.staticfiles.urls import staticfiles_urlpatterns
 from django.urls import include, path
 from django.views.generic import RedirectView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
 from demo_project.payments.views import (
@@ -23,14 +23,11 @@ urlpatterns = [
     path("api/v1/", include(router.urls)),
 ]
 
-if apps.is_installed("drf_spectacular"):
-    from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
-
-    urlpatterns += [
-        path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
-        path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
-        path("", RedirectView.as_view(pattern_name="swagger-ui", permanent=False)),
-    ]
+urlpatterns += [
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
+    path("", RedirectView.as_view(pattern_name="swagger-ui", permanent=False)),
+]
 
 # Admin and Swagger UI assets, straight from the apps while DEBUG is on (no collectstatic).
 urlpatterns += staticfiles_urlpatterns()

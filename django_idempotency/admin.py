@@ -45,6 +45,9 @@ else:  # generic only in the type stubs
 
 #: Bodies longer than this are cut in the detail page (the full body stays in the database).
 DISPLAY_BODY_CHARS = 64 * 1024
+#: JSON nested deeper than this is not indented: its indentation alone would outgrow the page
+#: (and the encoders recurse once or more per level).
+MAX_INDENT_DEPTH = 64
 
 # --- shared by every admin of this app -----------------------------------------------------------
 
@@ -99,6 +102,7 @@ class OperationsAdmin(ModelAdmin):
     """Read-only rows, actions through ``operations.py``, a health panel, no full COUNT."""
 
     change_list_template = "admin/django_idempotency/change_list.html"
+    change_form_template = "admin/django_idempotency/change_form.html"
     paginator = EstimatingPaginator
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER  # facets COUNT every filter choice on each page load
@@ -193,12 +197,34 @@ class OperationsAdmin(ModelAdmin):
 
 
 def preformatted(text: str) -> SafeString:
+    if len(text) > DISPLAY_BODY_CHARS:
+        cut = _("… (%(size)d characters in all)") % {"size": len(text)}
+        text = text[:DISPLAY_BODY_CHARS] + "\n" + cut
     return format_html('<pre class="idempotency-pre">{}</pre>', text)
 
 
+def nesting_depth(value: Any) -> int:
+    """How deep lists and dicts nest in ``value``, counted without recursing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
+
+
 def pretty_json(value: Any) -> SafeString:
-    """JSON indented for reading, escaped so nothing in it becomes markup."""
-    return preformatted(json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True))
+    """JSON indented for reading, escaped so nothing in it becomes markup; compact past
+    ``MAX_INDENT_DEPTH``. Too deep even for the compact encoder, the page says so rather than
+    failing."""
+    indent = 2 if nesting_depth(value) <= MAX_INDENT_DEPTH else None
+    try:
+        return preformatted(json.dumps(value, indent=indent, ensure_ascii=False, sort_keys=True))
+    except RecursionError:
+        return format_html("<em>{}</em>", _("Nested too deep to show here."))
 
 
 def pretty_body(body: bytes | memoryview | None, content_type: str) -> SafeString:
@@ -216,12 +242,11 @@ def pretty_body(body: bytes | memoryview | None, content_type: str) -> SafeStrin
         )
     if "json" in content_type.lower() or text.lstrip()[:1] in ("{", "["):
         try:
-            return pretty_json(json.loads(text))
-        except ValueError:
-            pass  # not JSON after all: show it as text
-    if len(text) > DISPLAY_BODY_CHARS:
-        cut = _("… (%(size)d characters in all)") % {"size": len(text)}
-        text = text[:DISPLAY_BODY_CHARS] + "\n" + cut
+            value = json.loads(text)
+            if nesting_depth(value) <= MAX_INDENT_DEPTH:
+                return pretty_json(value)
+        except (ValueError, RecursionError):
+            pass  # not JSON after all, or too deep to parse: the text as stored
     return preformatted(text)
 
 
@@ -259,17 +284,10 @@ class ExpiredFilter(admin.SimpleListFilter):
 
 
 class IdempotencyRecordAdmin(OperationsAdmin):
-    list_display = (
-        "key_display",
-        "scope",
-        "status",
-        "method",
-        "path_display",
-        "response_status",
-        "age",
-        "lease_left",
-        "stuck",
-    )
+    # Few columns, each one wrapping, so that the list fits a laptop's screen beside the
+    # navigation and the filters: the state says completed (with the status replayed),
+    # processing or stuck; the request is the method and the path.
+    list_display = ("key_display", "scope", "state", "request_display", "age", "lease_left")
     list_filter = (
         "status",
         StuckFilter,
@@ -288,15 +306,73 @@ class IdempotencyRecordAdmin(OperationsAdmin):
         (_("Lease"), {"fields": ("owner_token", "lease_expires_at", "lease_left")}),
         (
             _("Stored response"),
-            {"fields": ("response_status", "headers_display", "body_display", "response_retained")},
+            {"fields": ("response_status", "headers_display", "body_display")},
         ),
         (_("Dates"), {"fields": ("created_at", "completed_at", "expires_at", "age")}),
     )
     readonly_fields = (
         *("scope", "key", "status", "stuck", "attempts", "method", "path", "fingerprint"),
         *("owner_token", "lease_expires_at", "lease_left", "response_status", "headers_display"),
-        *("body_display", "response_retained", "created_at", "completed_at", "expires_at", "age"),
+        *("body_display", "created_at", "completed_at", "expires_at", "age"),
     )
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        fieldsets = super().get_fieldsets(request, obj)
+        if obj is not None and obj.status == PROCESSING:
+            # Nothing is stored until the request completes: one line says so.
+            stored = _("Stored response")
+            return [
+                (name, {"fields": ("body_display",)}) if name == stored else (name, options)
+                for name, options in fieldsets
+            ]
+        return fieldsets
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Any = None,
+    ) -> Any:
+        context["release_buttons"] = self.release_buttons(request, obj) if obj else []
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def release_buttons(self, request: HttpRequest, record: IdempotencyRecord) -> list[Any]:
+        """The list actions that release this one record, as buttons for its page: the same
+        actions, permissions and messages as from the list."""
+        actions = self.get_actions(request)
+        now = timezone.now()
+        running = (
+            record.status == PROCESSING
+            and record.lease_expires_at is not None
+            and record.lease_expires_at > now
+        )
+        if running and "force_release_keys" in actions:
+            return [
+                {
+                    "action": "force_release_keys",
+                    "label": gettext("Force release…"),
+                    "help": gettext(
+                        "A request may still be working on this key: its lease runs. Forcing "
+                        "makes that request roll its changes back and answer 409; the "
+                        "client's retry then runs once. You are asked first."
+                    ),
+                }
+            ]
+        if not running and "release_keys" in actions:
+            return [
+                {
+                    "action": "release_keys",
+                    "label": gettext("Release this key"),
+                    "help": gettext(
+                        "The next request with this key runs as new: at once for a stuck key; "
+                        "for a completed one, the request runs again instead of replaying."
+                    ),
+                }
+            ]
+        return []
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         # The body can be a megabyte per row; the list never shows it, the detail page loads it.
@@ -308,9 +384,17 @@ class IdempotencyRecordAdmin(OperationsAdmin):
     def key_display(self, record: IdempotencyRecord) -> str:
         return Truncator(record.key).chars(40)
 
-    @admin.display(description=_("path"))
-    def path_display(self, record: IdempotencyRecord) -> str:
-        return Truncator(record.path).chars(60)
+    @admin.display(description=_("request"))
+    def request_display(self, record: IdempotencyRecord) -> str:
+        return f"{record.method} {Truncator(record.path).chars(60)}"
+
+    @admin.display(description=_("state"))
+    def state(self, record: IdempotencyRecord) -> SafeString | str:
+        if self.is_stuck(record):
+            return format_html('<strong class="idempotency-alert">{}</strong>', _("Stuck"))
+        if record.status == PROCESSING:
+            return gettext("Processing")
+        return f"{gettext('Completed')} · {record.response_status}"
 
     @admin.display(description=_("age"), ordering="created_at")
     def age(self, record: IdempotencyRecord) -> str:
@@ -325,12 +409,27 @@ class IdempotencyRecordAdmin(OperationsAdmin):
             return health.elapsed(now, record.lease_expires_at)
         return _("expired %(age)s ago") % {"age": health.elapsed(record.lease_expires_at, now)}
 
-    @admin.display(description=_("stuck"), boolean=True)
-    def stuck(self, record: IdempotencyRecord) -> bool:
+    @staticmethod
+    def is_stuck(record: IdempotencyRecord) -> bool:
         return (
             record.status == PROCESSING
             and record.lease_expires_at is not None
             and record.lease_expires_at <= timezone.now()
+        )
+
+    @admin.display(description=_("stuck"))
+    def stuck(self, record: IdempotencyRecord) -> SafeString | str:
+        """In words, never a tick: a stuck key needs attention, which a green icon hides."""
+        if not self.is_stuck(record):
+            return gettext("No")
+        return format_html(
+            '<strong class="idempotency-alert">{}</strong> {}',
+            _("Yes: the lease expired %(age)s ago.")
+            % {"age": health.elapsed(record.lease_expires_at, timezone.now())},
+            _(
+                "The request that held it died or overran; the client's next retry takes the "
+                "key over, or release it below."
+            ),
         )
 
     @admin.display(description=_("response headers"))
@@ -341,6 +440,11 @@ class IdempotencyRecordAdmin(OperationsAdmin):
 
     @admin.display(description=_("response body"))
     def body_display(self, record: IdempotencyRecord) -> SafeString:
+        if record.status == PROCESSING:
+            return format_html(
+                "<em>{}</em>",
+                _("Nothing stored: the request holding the key has not completed."),
+            )
         if not record.response_retained:
             return format_html(
                 "<em>{}</em>", _("Not retained: streamed, or larger than MAX_RESPONSE_BYTES.")
@@ -485,16 +589,18 @@ class FailedFilter(admin.SimpleListFilter):
 
 
 class OutboxEventAdmin(OperationsAdmin):
+    # As for the records: few columns that wrap. The event id is shortened (its page and the
+    # search have it in full), the state carries the failed attempts.
     list_display = (
-        "event_id",
+        "event_display",
         "topic",
         "key_display",
-        "status",
-        "attempts",
+        "state",
         "age",
         "next_attempt",
         "error_display",
     )
+    list_display_links = ("event_display",)
     list_filter = ("status", FailedFilter, TopicFilter)
     sortable_by = ("age",)
     search_fields = ("event_id", "key")
@@ -511,13 +617,14 @@ class OutboxEventAdmin(OperationsAdmin):
             _("Relay"),
             {"fields": ("next_attempt", "next_attempt_at", "locked_until", "relay_token")},
         ),
-        (_("Dates"), {"fields": ("created_at", "published_at", "age", "transaction_id")}),
+        # transaction_id is an internal ordering column (0 on most databases): not shown.
+        (_("Dates"), {"fields": ("created_at", "published_at", "age")}),
     )
     readonly_fields = (
         *("event_id", "topic", "key", "status", "attempts", "last_error_display"),
         *("payload_display", "headers_display", "traceparent", "next_attempt"),
         *("next_attempt_at", "locked_until", "relay_token", "created_at", "published_at"),
-        *("age", "transaction_id"),
+        "age",
     )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
@@ -526,9 +633,26 @@ class OutboxEventAdmin(OperationsAdmin):
 
     # --- columns and fields ---
 
+    @admin.display(description=_("event id"), ordering="pk")
+    def event_display(self, event: OutboxEvent) -> SafeString:
+        text = str(event.event_id)
+        return format_html('<span title="{}">{}…</span>', text, text[:8])
+
     @admin.display(description=_("key"))
     def key_display(self, event: OutboxEvent) -> str:
         return Truncator(event.key).chars(40) or "–"
+
+    @admin.display(description=_("state"))
+    def state(self, event: OutboxEvent) -> SafeString | str:
+        label = event.get_status_display()
+        if event.status == OutboxStatus.DEAD:
+            label = format_html('<strong class="idempotency-alert">{}</strong>', label)
+        if not event.attempts:
+            return label
+        failed = ngettext(
+            "%(count)d failed attempt", "%(count)d failed attempts", event.attempts
+        ) % {"count": event.attempts}
+        return format_html("{} · {}", label, failed)
 
     @admin.display(description=_("age"), ordering="pk")  # pk order is creation order, indexed
     def age(self, event: OutboxEvent) -> str:
@@ -551,7 +675,7 @@ class OutboxEventAdmin(OperationsAdmin):
 
     @admin.display(description=_("last error"))
     def error_display(self, event: OutboxEvent) -> str:
-        return Truncator(event.last_error).chars(80) or "–"
+        return Truncator(event.last_error).chars(60) or "–"
 
     @admin.display(description=_("last error"))
     def last_error_display(self, event: OutboxEvent) -> SafeString | str:

@@ -93,8 +93,10 @@ class IdempotencyKeyInvalid(IdempotencyHTTPError):
     title = "Idempotency key invalid"
     default_code = "idempotency_key_invalid"
     default_detail = (
-        "The Idempotency-Key header must be sent once, with 1 to 255 printable ASCII "
-        "characters, as a bare token or a quoted string."
+        "The Idempotency-Key header must be sent once, with a key of 1 to 255 characters: "
+        "either a bare token of printable ASCII without spaces, commas, double quotes or "
+        'backslashes (a UUID is fine), or a double-quoted string of printable ASCII, with \\" '
+        "and \\\\ escaped inside and no space at either end of the key."
     )
 
 

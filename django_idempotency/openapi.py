@@ -3,7 +3,10 @@
 Every operation that :class:`~django_idempotency.drf.IdempotencyMixin` guards documents the
 ``Idempotency-Key`` request header, the ``Idempotent-Replay`` header on its own responses, and the
 problem+json answers the state machine can give instead: 400, 409 (with ``Retry-After``), 422 and
-503. The app loads this module when drf-spectacular is installed; there is nothing to configure.
+503. A 400 has two shapes, told apart by the media type: a key error in
+``application/problem+json``, or DRF's own error body in ``application/json`` (the field errors
+of a request that failed validation). The app loads this module when drf-spectacular is
+installed; there is nothing to configure.
 
 A function view decorated with ``@idempotent`` is documented the same way when it names the
 schema explicitly, since a function carries no class to recognise::
@@ -31,12 +34,16 @@ from django_idempotency.request.responses import PROBLEM_CONTENT_TYPE
 __all__ = ["IdempotentAutoSchema", "IdempotentSchemaMixin", "document_operation"]
 
 PROBLEM_COMPONENT = "IdempotencyProblem"
+DRF_ERRORS_COMPONENT = "DRFErrors"
+JSON_CONTENT_TYPE = "application/json"
 
 #: status -> (error codes the body may carry, description, whether Retry-After is sent)
 ERROR_RESPONSES: dict[int, tuple[tuple[str, ...], str, bool]] = {
     400: (
         ("idempotency_key_missing", "idempotency_key_invalid"),
-        "The idempotency key is missing or malformed. Nothing was done.",
+        "The idempotency key is missing or malformed (application/problem+json), or the request "
+        "failed validation (application/json: DRF's field errors). Nothing was done and nothing "
+        "was stored: fix the request and send it again, with the same key.",
         False,
     ),
     409: (
@@ -79,16 +86,45 @@ def problem_schema() -> dict[str, Any]:
     }
 
 
+def drf_errors_schema() -> dict[str, Any]:
+    """DRF's error body for a 400 it raised: what ``exception_handler`` renders from a
+    ``ValidationError`` (or a ``ParseError``)."""
+    messages = {"type": "array", "items": {}}
+    return {
+        "description": (
+            "DRF's error body: an object with a list of messages per field (`non_field_errors` "
+            "for the request as a whole; nested objects for nested serializers), `detail` for "
+            "a body that could not be parsed, or a bare list of messages."
+        ),
+        "oneOf": [
+            {
+                "type": "object",
+                "additionalProperties": {
+                    "oneOf": [messages, {"type": "object"}, {"type": "string"}]
+                },
+            },
+            {"type": "array", "items": {"type": "string"}},
+        ],
+    }
+
+
+#: What parse_key accepts, for clients and schema-driven test tools: a bare token (printable
+#: ASCII but for spaces, commas, double quotes and backslashes), or a quoted string with no space
+#: at either end (RFC 8941 escapes, which it also accepts, are left out of the pattern).
+KEY_PATTERN = r'^(?:[!#-+\--\[\]-~]{1,255}|"[!#-\[\]-~](?:[ !#-\[\]-~]{0,253}[!#-\[\]-~])?")$'
+
+
 def key_parameter() -> dict[str, Any]:
     return {
         "in": "header",
         "name": conf.HEADER,
         "required": conf.KEY_REQUIRED,
-        "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+        "schema": {"type": "string", "minLength": 1, "maxLength": 257, "pattern": KEY_PATTERN},
         "description": (
-            "A unique key per operation (a UUID works well), 1 to 255 printable ASCII "
-            "characters. Retrying with the same key and the same request returns the first "
-            "response instead of doing the work again."
+            "A unique key per operation (a UUID works well): 1 to 255 characters, either a bare "
+            "token of printable ASCII without spaces, commas, double quotes or backslashes, or a "
+            "double-quoted string of printable ASCII. Retrying with the same key and the same "
+            "request returns the first response instead of doing the work again."
         ),
     }
 
@@ -112,13 +148,8 @@ def document_operation(operation: dict[str, Any], registry: ComponentRegistry) -
 
     What the view documents itself wins: an existing parameter or media type is left alone.
     """
-    component = ResolvedComponent(  # type: ignore[no-untyped-call]
-        name=PROBLEM_COMPONENT,
-        type=ResolvedComponent.SCHEMA,
-        object=PROBLEM_COMPONENT,
-        schema=problem_schema(),
-    )
-    registry.register_on_missing(component)
+    component = _component(registry, PROBLEM_COMPONENT, problem_schema())
+    drf_errors = _component(registry, DRF_ERRORS_COMPONENT, drf_errors_schema())
 
     parameters = operation.setdefault("parameters", [])
     header = conf.HEADER.lower()
@@ -136,6 +167,15 @@ def document_operation(operation: dict[str, Any], registry: ComponentRegistry) -
         )
         if retry_after:
             response.setdefault("headers", {}).setdefault("Retry-After", _retry_after_header())
+    responses["400"]["content"].setdefault(JSON_CONTENT_TYPE, {"schema": drf_errors.ref})
+
+
+def _component(registry: ComponentRegistry, name: str, schema: dict[str, Any]) -> Any:
+    component = ResolvedComponent(  # type: ignore[no-untyped-call]
+        name=name, type=ResolvedComponent.SCHEMA, object=name, schema=schema
+    )
+    registry.register_on_missing(component)
+    return component
 
 
 class IdempotentSchemaMixin:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from datetime import timedelta
 
 import pytest
@@ -11,6 +12,7 @@ from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone
 
+from django_idempotency.admin import MAX_INDENT_DEPTH, pretty_json
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 from tests.admin_support import login, messages_of, post_action
 from tests.factories import IdempotencyRecordFactory
@@ -60,11 +62,16 @@ def test_changelist_lists_records_with_their_columns(superuser, records):
     response = superuser.get(changelist())
     assert shown_keys(response) == set(map(str, ["done", "stuck", "running", "expired", "old"]))
     html = response.content.decode()
-    for header in ("Key", "Scope", "Status", "Method", "Path", "Response status", "Age"):
+    for header in ("Key", "Scope", "State", "Request", "Age"):
         assert f">{header}<" in html or f">{header}</a>" in html, header
     assert "Lease left" in html
     assert "expired 1\xa0minute ago" in html  # the stuck key's lease column
-    assert 'alt="True"' in html  # the stuck flag
+    assert "Completed · 201" in html
+    assert "POST /api/payments/" in html
+    # Stuck is said in words, in the alert colour; no column shows a tick or a cross.
+    assert '<strong class="idempotency-alert">Stuck</strong>' in html
+    assert "icon-yes" not in html
+    assert "icon-no" not in html
 
 
 def test_health_panel_shows_records_by_status_and_stuck_keys(superuser, records):
@@ -158,6 +165,111 @@ def test_detail_page_shows_other_bodies_safely(superuser, body, headers, shown):
 def test_detail_page_says_when_the_body_was_not_retained(superuser):
     record = IdempotencyRecordFactory(response_body=b"", response_retained=False)
     assert "Not retained" in superuser.get(detail(record)).content.decode()
+
+
+def test_a_stuck_records_page_says_so_in_words_and_that_nothing_is_stored(superuser, records):
+    html = superuser.get(detail(records["stuck"])).content.decode()
+    assert "Yes: the lease expired 1\xa0minute ago." in html
+    assert "Nothing stored: the request holding the key has not completed." in html
+    for absent in ("icon-yes", "icon-no", "Response retained", "Response status", "(empty)"):
+        assert absent not in html, absent
+
+
+def test_a_running_records_page_is_not_stuck_and_stores_nothing_yet(superuser, records):
+    html = superuser.get(detail(records["running"])).content.decode()
+    assert '<div class="readonly">No</div>' in html
+    assert "Nothing stored" in html
+    assert "icon-yes" not in html
+
+
+def test_a_completed_records_page_shows_the_response_and_no_tick(superuser, records):
+    html = superuser.get(detail(records["completed"])).content.decode()
+    assert "Response status" in html
+    assert "&quot;amount&quot;: &quot;10.00&quot;" in html
+    assert "icon-yes" not in html
+    assert "Nothing stored" not in html
+
+
+def test_a_deeply_nested_json_body_is_shown_as_stored_text(superuser):
+    """A stored JSON body nested 950 deep is more than the JSON module can recurse through on
+    Python 3.11 (and would indent into megabytes anywhere): the page shows the text as it was
+    stored instead of failing."""
+    body = b"[" * 950 + b"1" + b"]" * 950
+    record = IdempotencyRecordFactory(response_body=body)
+    response = superuser.get(detail(record))
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert '<pre class="idempotency-pre">' + "[" * 950 + "1" + "]" * 950 + "</pre>" in html
+
+
+def test_json_is_indented_up_to_a_depth_then_compact_then_said_too_deep():
+    def nested(depth: int) -> object:
+        value: object = 1
+        for _ in range(depth):
+            value = [value]
+        return value
+
+    assert "\n" in pretty_json(nested(MAX_INDENT_DEPTH))
+    assert pretty_json(nested(MAX_INDENT_DEPTH + 1)) == (
+        '<pre class="idempotency-pre">'
+        + "[" * (MAX_INDENT_DEPTH + 1)
+        + "1"
+        + "]" * (MAX_INDENT_DEPTH + 1)
+        + "</pre>"
+    )
+    # Beyond any recursion limit: no encoder gets through it, and the page says so.
+    assert "Nested too deep to show here." in pretty_json(nested(100_000))
+    assert pretty_json({"a": [1]}) == (
+        '<pre class="idempotency-pre">{\n  &quot;a&quot;: [\n    1\n  ]\n}</pre>'
+    )
+
+
+def release_form(html: str) -> dict[str, object]:
+    """The hidden form that the page's release buttons submit, as fields to post."""
+    pattern = r'<form id="idempotency-release-form"[^>]*action="([^"]+)".*?</form>'
+    form = re.search(pattern, html, re.S)
+    assert form is not None
+    fields = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', form[0]))
+    return {"url": form[1], **fields}
+
+
+def buttons(html: str) -> list[str]:
+    return re.findall(r'form="idempotency-release-form" name="action" value="([^"]+)"', html)
+
+
+def test_a_stuck_or_completed_records_page_releases_it(superuser, records, released):
+    for name in ("stuck", "completed"):
+        html = superuser.get(detail(records[name])).content.decode()
+        assert buttons(html) == ["release_keys"]
+        form = release_form(html)
+        url = form.pop("url")
+        assert url == changelist()
+        response = superuser.post(url, {**form, "action": "release_keys"}, follow=True)
+        assert messages_of(response) == ["success: Released 1 idempotency key."]
+        assert not IdempotencyRecord.objects.filter(pk=records[name].pk).exists()
+    assert sorted(key for _scope, key, _reason in released) == ["done", "stuck"]
+
+
+def test_a_running_records_page_offers_the_force_release_which_asks_first(superuser, records):
+    html = superuser.get(detail(records["running"])).content.decode()
+    assert buttons(html) == ["force_release_keys"]
+    form = release_form(html)
+    url = form.pop("url")
+    confirmation = superuser.post(url, {**form, "action": "force_release_keys"})
+    assert confirmation.status_code == 200
+    assert "Force release idempotency keys" in confirmation.content.decode()
+    assert IdempotencyRecord.objects.filter(pk=records["running"].pk).exists()
+    done = post_action(superuser, url, "force_release_keys", [records["running"]], post="yes")
+    assert messages_of(done) == ["success: Released 1 idempotency key."]
+    assert not IdempotencyRecord.objects.filter(pk=records["running"].pk).exists()
+
+
+def test_no_release_button_without_the_delete_permission(records):
+    viewer = login("view_idempotencyrecord")
+    html = viewer.get(detail(records["stuck"])).content.decode()
+    assert viewer.get(detail(records["stuck"])).status_code == 200
+    assert buttons(html) == []
+    assert "idempotency-release-form" not in html
 
 
 def test_nothing_can_be_added_edited_or_deleted_by_form(superuser, records):

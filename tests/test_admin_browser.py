@@ -1,73 +1,55 @@
-"""End to end in headless Chromium: log in, filter stuck keys, release one, check the rest;
-filter failed outbox events and retry one.
+"""End to end in headless Chromium, at a laptop's 1280 px: log in, filter stuck keys, release
+one from the list and one from its own page, check the rest; filter failed outbox events and
+retry one. Every changelist and change page is checked for columns cut off on the right.
 
-Uses Debian's ``chromium`` and ``chromium-driver`` packages (``.ci/run`` installs them); nothing
-is downloaded. Screenshots go to ``artifacts/browser/`` (git-ignored) for a person to look at.
+The screenshots are those of docs/operations-admin.md: they go to ``artifacts/browser/``
+(git-ignored) under the names docs/img uses; look at them, then
+``cp artifacts/browser/admin-*.png docs/img/`` when the pages changed.
 """
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
+import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
 
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
-from tests.backends import backends_required
+from tests.browser_support import (
+    ARTIFACTS,
+    LAPTOP_WIDTH,
+    chromium,
+    clipped,
+    set_width,
+    wait_for,
+)
 from tests.factories import IdempotencyRecordFactory, OutboxEventFactory
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "browser"
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1400,1000",
-)
+PAYMENTS = "/api/v1/payments/"
 
 
 @pytest.fixture
-def browser(tmp_path):
-    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
-        message = "apt-get install chromium chromium-driver"
-        if backends_required():
-            pytest.fail(f"Chromium is required: {message}")
-        pytest.skip(f"Chromium is not installed: {message}")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
-    driver.implicitly_wait(0)
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    yield driver
-    driver.quit()
+def browser(tmp_path: Any) -> Iterator[Any]:
+    for driver in chromium(tmp_path, width=LAPTOP_WIDTH, height=900):
+        set_width(driver, LAPTOP_WIDTH)
+        yield driver
 
 
-def wait_for(driver, css: str):
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
-    from selenium.webdriver.support.ui import WebDriverWait
+def screenshot(browser: Any, name: str, height: int | None = None) -> None:
+    """Save the page as docs/img/<name>.png shows it; ``height`` to take in a long page."""
+    size = browser.get_window_size()
+    if height:
+        browser.set_window_size(size["width"], height)
+    browser.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+    if height:
+        browser.set_window_size(size["width"], size["height"])
 
-    return WebDriverWait(driver, 30).until(
-        expected_conditions.presence_of_element_located((By.CSS_SELECTOR, css))
-    )
 
-
-def shown_keys(driver) -> set[str]:
+def shown_keys(driver: Any) -> set[str]:
     from selenium.webdriver.common.by import By
 
     return {
@@ -76,7 +58,7 @@ def shown_keys(driver) -> set[str]:
     }
 
 
-def run_action(browser, row_xpath: str, action: str) -> None:
+def run_action(browser: Any, row_xpath: str, action: str) -> None:
     """Tick the row ``row_xpath`` finds, choose ``action`` and press Go."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
@@ -87,8 +69,9 @@ def run_action(browser, row_xpath: str, action: str) -> None:
     browser.find_element(By.CSS_SELECTOR, "button[name=index]").click()
 
 
-def log_in(browser, live_server, page: str) -> None:
-    """Log in as the on-call superuser and land on ``page``, navigation sidebar folded."""
+def log_in(browser: Any, live_server: Any, page: str) -> None:
+    """Log in as the on-call superuser and land on ``page``, the navigation sidebar open as
+    Django shows it by default."""
     from selenium.webdriver.common.by import By
 
     User.objects.create_superuser("oncall", "oncall@example.com", "correct horse battery")
@@ -96,62 +79,103 @@ def log_in(browser, live_server, page: str) -> None:
     browser.find_element(By.NAME, "username").send_keys("oncall")
     browser.find_element(By.NAME, "password").send_keys("correct horse battery")
     browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
-    wait_for(browser, "#idempotency-health")
-    browser.find_element(By.ID, "toggle-nav-sidebar").click()  # more room for the columns
+    wait_for(browser, "#content")
 
 
-def test_log_in_filter_stuck_keys_and_release_one(browser, live_server):
+def fold_navigation(browser: Any) -> None:
+    """Fold the navigation sidebar (Django remembers it across pages): the pages are checked
+    with it open first, the screenshots are taken with the room it leaves."""
+    from selenium.webdriver.common.by import By
+
+    browser.find_element(By.ID, "toggle-nav-sidebar").click()
+
+
+def assert_nothing_cut_off(browser: Any, what: str) -> None:
+    """Every column of a changelist and every field of a change page lies within the page."""
+    cut = clipped(browser)
+    if cut:
+        browser.save_screenshot(str(ARTIFACTS / f"cut-off-{what.replace(' ', '-')}.png"))
+    assert cut == [], f"cut off on the right of {what} at {LAPTOP_WIDTH} px"
+
+
+def test_records_release_stuck_keys_from_the_list_and_the_page(browser, live_server):
     from selenium.webdriver.common.by import By
 
     for key in ("pay-1001", "pay-1002", "pay-1003"):
-        IdempotencyRecordFactory(key=key, stuck=True, path="/api/v1/payments/")
-    IdempotencyRecordFactory(key="pay-2001", running=True, path="/api/v1/payments/")
-    IdempotencyRecordFactory.create_batch(3, path="/api/v1/payments/")
+        IdempotencyRecordFactory(key=key, stuck=True, path=PAYMENTS)
+    IdempotencyRecordFactory(key="pay-2001", running=True, path=PAYMENTS, scope="user:17")
+    for _ in range(3):
+        IdempotencyRecordFactory(
+            key=str(uuid.uuid4()),
+            scope=f"user:{uuid.uuid4().int % 10_000}",
+            path=f"{PAYMENTS}{uuid.uuid4()}/",
+            method="PATCH",
+            response_status=200,
+        )
     IdempotencyRecordFactory(
         key="pay-0999",
-        path="/api/v1/payments/",
+        path=PAYMENTS,
         response_headers=[["Content-Type", "application/json"], ["Location", "/payments/77"]],
         response_body=b'{"id":77,"amount":"125.00","currency":"EUR","status":"captured"}',
     )
 
     log_in(browser, live_server, "/admin/django_idempotency/idempotencyrecord/")
-    browser.save_screenshot(str(ARTIFACTS / "1-changelist.png"))
+    wait_for(browser, "#idempotency-health")
+    assert_nothing_cut_off(browser, "the records' changelist")
+    fold_navigation(browser)
+    assert_nothing_cut_off(browser, "the records' changelist, navigation folded")
+    screenshot(browser, "admin-changelist")
     assert "3" in browser.find_element(By.CSS_SELECTOR, "#idempotency-health li.alert").text
 
     browser.find_element(By.LINK_TEXT, "Stuck (lease expired)").click()
     wait_for(browser, "#changelist-filter li.selected a[href='?stuck=yes']")
     assert shown_keys(browser) == {"pay-1001", "pay-1002", "pay-1003"}
-    browser.save_screenshot(str(ARTIFACTS / "2-stuck-filter.png"))
 
     run_action(browser, "//tr[th[normalize-space()='pay-1002']]", "release_keys")
     message = wait_for(browser, "ul.messagelist li.success")
     assert message.text == "Released 1 idempotency key."
     assert shown_keys(browser) == {"pay-1001", "pay-1003"}
-    browser.save_screenshot(str(ARTIFACTS / "3-released.png"))
+    screenshot(browser, "admin-released")
+
+    # A stuck key's own page says it is stuck, in words, and stored nothing; it releases it.
+    browser.find_element(By.LINK_TEXT, "pay-1003").click()
+    wait_for(browser, "fieldset")
+    assert_nothing_cut_off(browser, "a stuck record's page")
+    stuck = browser.find_element(By.CSS_SELECTOR, ".field-stuck .readonly").text
+    assert stuck.startswith("Yes: the lease expired")
+    assert not browser.find_elements(By.CSS_SELECTOR, ".field-stuck img")  # no tick icon
+    stored = browser.find_element(By.CSS_SELECTOR, ".field-body_display .readonly").text
+    assert stored.startswith("Nothing stored")
+    assert "✓" not in browser.find_element(By.CSS_SELECTOR, "#content-main").text
+    screenshot(browser, "admin-stuck-detail", height=1900)
+    browser.find_element(By.CSS_SELECTOR, "button[value=release_keys]").click()
+    message = wait_for(browser, "ul.messagelist li.success")
+    assert message.text == "Released 1 idempotency key."
 
     remaining = set(IdempotencyRecord.objects.values_list("key", flat=True))
-    assert "pay-1002" not in remaining
-    assert {"pay-1001", "pay-1003", "pay-2001"} <= remaining
-    assert len(remaining) == 7
+    assert {"pay-1002", "pay-1003"}.isdisjoint(remaining)
+    assert {"pay-1001", "pay-2001", "pay-0999"} <= remaining
+    assert len(remaining) == 6
 
-    # The rest of the tour, for the screenshots in docs/operations-admin.md.
+    # A completed record's page, as docs/operations-admin.md shows it.
     browser.get(f"{live_server.url}/admin/django_idempotency/idempotencyrecord/?q=pay-0999")
     browser.find_element(By.LINK_TEXT, "pay-0999").click()
     wait_for(browser, "fieldset")
-    browser.set_window_size(1400, 2000)
-    browser.save_screenshot(str(ARTIFACTS / "4-detail.png"))
-    browser.set_window_size(1400, 1000)
-    browser.get(
-        f"{live_server.url}/admin/django_idempotency/idempotencyrecord/?status__exact=PROCESSING"
-    )
-    wait_for(browser, "#result_list")
-    run_action(browser, "//tr[th[normalize-space()='pay-2001']]", "force_release_keys")
+    assert_nothing_cut_off(browser, "a completed record's page")
+    screenshot(browser, "admin-detail", height=2000)
+
+    # A running lease: its page offers the force release, which asks first.
+    browser.get(f"{live_server.url}/admin/django_idempotency/idempotencyrecord/?q=pay-2001")
+    browser.find_element(By.LINK_TEXT, "pay-2001").click()
+    wait_for(browser, "fieldset")
+    browser.find_element(By.CSS_SELECTOR, "button[value=force_release_keys]").click()
     wait_for(browser, "ul.idempotency-confirm-list")
-    browser.save_screenshot(str(ARTIFACTS / "5-force-release.png"))
+    assert_nothing_cut_off(browser, "the force release confirmation")
+    screenshot(browser, "admin-force-release")
     assert IdempotencyRecord.objects.filter(key="pay-2001").exists()
 
 
-def test_filter_failed_outbox_events_and_retry_one(browser, live_server):
+def test_outbox_filter_failed_events_and_retry_one(browser, live_server):
     from selenium.webdriver.common.by import By
 
     unroutable = "PublishError: unroutable: no queue bound for 'refunds.issued'"
@@ -177,11 +201,16 @@ def test_filter_failed_outbox_events_and_retry_one(browser, live_server):
     OutboxEventFactory(topic="orders.paid", key="order-1044")
 
     log_in(browser, live_server, "/admin/django_idempotency/outboxevent/")
+    wait_for(browser, "#idempotency-health")
+    assert_nothing_cut_off(browser, "the outbox changelist")
+    fold_navigation(browser)
+    assert_nothing_cut_off(browser, "the outbox changelist, navigation folded")
     assert "2" in browser.find_element(By.CSS_SELECTOR, "#idempotency-health li.alert").text
     browser.find_element(By.LINK_TEXT, "Failed (dead, or pending a retry)").click()
     wait_for(browser, "#changelist-filter li.selected a[href='?failed=yes']")
     assert shown_keys(browser) == {"order-1041", "order-1042", "order-1043"}
-    browser.save_screenshot(str(ARTIFACTS / "6-outbox-failed.png"))
+    assert_nothing_cut_off(browser, "the failed outbox events")
+    screenshot(browser, "admin-outbox")
 
     run_action(browser, "//tr[td[normalize-space()='order-1041']]", "retry_events")
     message = wait_for(browser, "ul.messagelist li.success")
@@ -192,5 +221,6 @@ def test_filter_failed_outbox_events_and_retry_one(browser, live_server):
 
     browser.get(f"{live_server.url}/admin/django_idempotency/outboxevent/{dead[1].pk}/change/")
     wait_for(browser, "fieldset")
-    browser.set_window_size(1400, 1500)
-    browser.save_screenshot(str(ARTIFACTS / "7-outbox-detail.png"))
+    assert_nothing_cut_off(browser, "an outbox event's page")
+    assert "Transaction id" not in browser.find_element(By.CSS_SELECTOR, "#content-main").text
+    screenshot(browser, "admin-outbox-detail", height=1600)

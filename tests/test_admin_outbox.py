@@ -79,8 +79,11 @@ def test_changelist_lists_events_with_their_state(superuser, events):
     response = superuser.get(events_url())
     assert shown(response) == set(events)
     html = response.content.decode()
-    for header in ("Event id", "Topic", "Key", "Status", "Attempts", "Age", "Next attempt"):
+    for header in ("Event id", "Topic", "Key", "State", "Age", "Next attempt", "Last error"):
         assert f">{header}<" in html or f">{header}</a>" in html, header
+    # The state carries the failed attempts; a dead event's in the alert colour.
+    assert '<strong class="idempotency-alert">Dead</strong> · 10 failed attempts' in html
+    assert "Pending · 2 failed attempts" in html
     assert "none: waits for a person" in html  # the dead event
     assert "being published now" in html  # the leased one
     assert "in 4\xa0minutes" in html  # the failing one, backing off
@@ -167,6 +170,8 @@ def test_detail_page_is_read_only_and_pretty_prints(superuser):
     assert "{\n  &quot;tenant&quot;: &quot;acme&quot;\n}" in html
     assert "no queue bound for &#x27;orders.paid&#x27;" in html
     assert "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01" in html
+    # An internal ordering column, 0 on most databases: not business data, not shown.
+    assert "Transaction id" not in html
     assert 'name="_save"' not in html and "<textarea" not in html
     assert superuser.post(event_detail(event), {"status": "PENDING"}).status_code == 403
     event.refresh_from_db()

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema_rs
 import pytest
 from django.conf import settings
 from django.test import override_settings
 from django.urls import path
 from drf_spectacular.generators import SchemaGenerator
 from drf_spectacular.utils import OpenApiResponse, extend_schema
+from hypothesis import given
+from hypothesis import strategies as st
 from rest_framework import mixins, viewsets
 from rest_framework.decorators import api_view, schema
 from rest_framework.response import Response
@@ -21,15 +25,20 @@ from rest_framework.routers import SimpleRouter
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
+from django_idempotency.exceptions import IdempotencyKeyInvalid
 from django_idempotency.openapi import (
+    DRF_ERRORS_COMPONENT,
+    KEY_PATTERN,
     PROBLEM_COMPONENT,
     IdempotentAutoSchema,
     IdempotentSchemaMixin,
 )
+from django_idempotency.request.keys import parse_key
 from tests.testapp.models import Widget
 from tests.testapp.views import WidgetSerializer, WidgetViewSet
 
 PROBLEM = "application/problem+json"
+JSON = "application/json"
 SPECTACULAR = {
     **settings.REST_FRAMEWORK,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
@@ -106,12 +115,22 @@ def assert_documented(operation: dict[str, Any], success: str) -> None:
     key = next(p for p in operation["parameters"] if p["name"] == "Idempotency-Key")
     assert key["in"] == "header"
     assert key["required"] is True
-    assert key["schema"] == {"type": "string", "minLength": 1, "maxLength": 255}
+    assert key["schema"] == {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": 257,
+        "pattern": KEY_PATTERN,
+    }
     responses = operation["responses"]
     assert "Idempotent-Replay" in responses[success]["headers"]
     for status in ("400", "409", "422", "503"):
         schema_ref = responses[status]["content"][PROBLEM]["schema"]
         assert schema_ref == {"$ref": f"#/components/schemas/{PROBLEM_COMPONENT}"}
+    # A 400 is a key error (problem+json) or DRF's validation errors (plain JSON).
+    assert responses["400"]["content"][JSON]["schema"] == {
+        "$ref": f"#/components/schemas/{DRF_ERRORS_COMPONENT}"
+    }
+    assert set(responses["409"]["content"]) == {PROBLEM}
     assert "Retry-After" in responses["409"]["headers"]
     assert "Retry-After" in responses["503"]["headers"]
     assert "Retry-After" not in responses["422"].get("headers", {})
@@ -191,3 +210,52 @@ def test_the_app_registers_the_extension_when_drf_spectacular_is_installed() -> 
         cwd=Path(__file__).resolve().parent.parent,
     )
     assert result.stdout.strip() == "True"
+
+
+def validator(schema: dict[str, Any], component: str) -> Any:
+    """A JSON Schema validator for one of the schema's components, its references resolved."""
+    document = {"$ref": f"#/components/schemas/{component}", "components": schema["components"]}
+    return jsonschema_rs.validator_for(document)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_both_400_shapes_describe_what_the_api_answers(client: Any, key: str) -> None:
+    schema = generate()
+    described = schema["paths"]["/widgets/"]["post"]["responses"]["400"]["description"]
+    assert "application/problem+json" in described
+    assert "application/json" in described
+    invalid = client.post(
+        "/api/widgets/", {"name": ""}, format="json", headers={"Idempotency-Key": key}
+    )
+    assert invalid.status_code == 400
+    assert invalid["Content-Type"] == JSON
+    assert validator(schema, DRF_ERRORS_COMPONENT).is_valid(invalid.json())
+    unparsable = client.post(
+        "/api/widgets/", b"{", content_type=JSON, headers={"Idempotency-Key": key}
+    )
+    assert unparsable.status_code == 400
+    assert validator(schema, DRF_ERRORS_COMPONENT).is_valid(unparsable.json())
+    missing = client.post("/api/widgets/", {"name": "w"}, format="json")
+    assert missing.status_code == 400
+    assert missing["Content-Type"] == PROBLEM
+    assert validator(schema, PROBLEM_COMPONENT).is_valid(missing.json())
+    assert not validator(schema, PROBLEM_COMPONENT).is_valid(invalid.json())
+
+
+@given(st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=300))
+def test_the_key_pattern_accepts_what_the_server_accepts(value: str) -> None:
+    try:
+        parse_key(value)
+        accepted = True
+    except IdempotencyKeyInvalid:
+        accepted = False
+    # HTTP strips the whitespace around a header value before anyone sees it.
+    value = value.strip(" \t")
+    if "\\" in value and value.startswith('"'):
+        return  # escapes inside quotes: accepted by the server, left out of the pattern
+    assert bool(re.fullmatch(KEY_PATTERN, value)) == accepted
+
+
+@given(st.from_regex(KEY_PATTERN, fullmatch=True))
+def test_every_key_the_pattern_allows_is_accepted(value: str) -> None:
+    assert 1 <= len(parse_key(value)) <= 255

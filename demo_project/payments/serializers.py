@@ -1,12 +1,33 @@
 from __future__ import annotations
 
+import re
 from decimal import Decimal
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from demo_project.payments import services
 from demo_project.payments.models import Account, LedgerEntry, Payment
+
+#: At least 0.01, at most two decimals, no sign, no leading zero, no exponent: "25.00".
+AMOUNT_PATTERN = r"^(?:[1-9][0-9]{0,11}(?:\.[0-9]{1,2})?|0\.(?:[1-9][0-9]?|0[1-9]))$"
+
+
+@extend_schema_field(
+    {"type": "string", "format": "decimal", "pattern": AMOUNT_PATTERN, "example": "25.00"}
+)
+class AmountField(serializers.DecimalField):
+    """Money as a string of digits ("25.00"), exactly as the schema's pattern says: a JSON number
+    would have passed through a binary float on its way."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(max_digits=14, decimal_places=2, min_value=Decimal("0.01"), **kwargs)
+
+    def to_internal_value(self, data: Any) -> Decimal:
+        if not isinstance(data, str) or not re.fullmatch(AMOUNT_PATTERN, data):
+            self.fail("invalid")
+        return super().to_internal_value(data)
 
 
 class AccountSerializer(serializers.ModelSerializer[Account]):
@@ -20,7 +41,7 @@ class PaymentSerializer(serializers.ModelSerializer[Payment]):
     destination_account = serializers.SlugRelatedField(
         slug_field="name", queryset=Account.objects.all()
     )
-    amount = serializers.DecimalField(max_digits=14, decimal_places=2, min_value=Decimal("0.01"))
+    amount = AmountField()
     currency = serializers.CharField(min_length=3, max_length=3)
 
     class Meta:
@@ -66,6 +87,15 @@ class PaymentStatusSerializer(serializers.ModelSerializer[Payment]):
         model = Payment
         fields = ["transaction_id", "status", "processed_at"]
         read_only_fields = ["transaction_id", "processed_at"]
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # PATCH validates partially, which skips required fields; but status is the one thing
+        # this serializer changes, so a PATCH without it is a field error, not a no-op.
+        if "status" not in attrs:
+            raise serializers.ValidationError(
+                {"status": [self.fields["status"].error_messages["required"]]}, code="required"
+            )
+        return attrs
 
     def update(self, instance: Payment, validated_data: dict[str, Any]) -> Payment:
         return services.change_status(

@@ -35,6 +35,9 @@ class PaymentViewSet(
         "-processed_at"
     )
     lookup_field = "transaction_id"
+    # Any value reaches the view, which answers a malformed one with DRF's JSON 404; the
+    # router's default pattern would leave it to Django's HTML 404 page.
+    lookup_value_regex = "[^/]+"
     http_method_names = ["get", "post", "patch", "head", "options"]
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
@@ -56,6 +59,7 @@ class AccountViewSet(viewsets.ReadOnlyModelViewSet[Account]):
     queryset = Account.objects.order_by("name")
     serializer_class = AccountSerializer
     lookup_field = "name"
+    lookup_value_regex = "[^/]+"
 
 
 class LedgerEntryViewSet(viewsets.ReadOnlyModelViewSet[LedgerEntry]):
@@ -66,6 +70,7 @@ class LedgerEntryViewSet(viewsets.ReadOnlyModelViewSet[LedgerEntry]):
 
     queryset = LedgerEntry.objects.select_related("payment", "account").order_by("id")
     serializer_class = LedgerEntrySerializer
+    lookup_value_regex = "[^/]+"
 
     def get_queryset(self) -> QuerySet[LedgerEntry]:
         queryset = super().get_queryset()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import threading
 import time
 import uuid
 from decimal import Decimal
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -134,6 +137,56 @@ def test_a_refund_is_applied_once(demo_server: DemoServer) -> None:
     again = client.request("PATCH", path, {"status": "refunded"}, {"Idempotency-Key": new_key()})
     assert again.status == 400
     assert moved(before, demo_server.balances()) == Decimal("0.00")
+
+
+def raw_request(
+    server: DemoServer, method: str, path: str, body: bytes, headers: dict[str, str]
+) -> tuple[int, dict[str, str], Any]:
+    """A request with exactly these bytes and headers (the tour's client only sends JSON)."""
+    parts = urlsplit(server.url)
+    connection = http.client.HTTPConnection(parts.netloc, timeout=60)
+    try:
+        connection.request(
+            method, path, body=body, headers={"Accept": "application/json", **headers}
+        )
+        response = connection.getresponse()
+        raw = response.read()
+    finally:
+        connection.close()
+    headers = {k.lower(): v for k, v in response.getheaders()}
+    try:
+        return response.status, headers, json.loads(raw)
+    except ValueError:
+        return response.status, headers, raw.decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("application/json", b"{}"),
+        ("multipart/form-data; boundary=nothing-here", b""),
+        ("multipart/form-data; boundary=nothing-here", b"--nothing-here--\r\n"),
+    ],
+    ids=["json", "empty-multipart", "multipart-without-parts"],
+)
+def test_a_status_change_without_a_status_is_a_400_field_error(
+    demo_server: DemoServer, content_type: str, body: bytes
+) -> None:
+    payment = pay(demo_server, new_key(), "3.00").body
+    path = f"/api/v1/payments/{payment['transaction_id']}/"
+    key = new_key()
+    headers = {"Content-Type": content_type, "Idempotency-Key": key}
+    status, answer_headers, answer = raw_request(demo_server, "PATCH", path, body, headers)
+    assert status == 400, answer
+    assert answer_headers["content-type"] == "application/json"
+    assert answer == {"status": ["This field is required."]}
+    # A refusal before anything changed: the payment is as it was, and the key is free.
+    assert demo_server.client().request("GET", path).body["status"] == "completed"
+    fixed = demo_server.client().request(
+        "PATCH", path, {"status": "disputed"}, {"Idempotency-Key": key}
+    )
+    assert fixed.status == 200, fixed.body
+    assert fixed.body["status"] == "disputed"
 
 
 def test_anonymous_clients_and_the_demo_user_have_their_own_scopes(
