@@ -13,9 +13,11 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from django.http import HttpResponseBase
+from rest_framework.renderers import BaseRenderer, BrowsableAPIRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from django_idempotency.browsable import IdempotentBrowsableAPIRenderer
 from django_idempotency.conf import GUARDED_METHODS, conf
 from django_idempotency.core.types import Conflict, Mismatch, Proceed, Replay
 from django_idempotency.exceptions import IdempotencyHTTPError
@@ -125,6 +127,18 @@ class IdempotencyMixin(_Base):
 
         # DRF itself binds ViewSet actions to method names on the instance the same way.
         setattr(self, handler_name, wrapped)
+
+    def get_renderers(self) -> list[BaseRenderer]:
+        """DRF's own renderers, with its browsable API swapped for one that sends keys.
+
+        DRF's browsable page cannot send a header, so its forms would always get ``400
+        idempotency_key_missing`` from a guarded view; subclasses of the renderer (the admin
+        renderer, a project's own) are left alone.
+        """
+        return [
+            IdempotentBrowsableAPIRenderer() if type(renderer) is BrowsableAPIRenderer else renderer
+            for renderer in super().get_renderers()
+        ]
 
     def finalize_response(
         self, request: Request, response: Any, *args: Any, **kwargs: Any

@@ -91,3 +91,19 @@ def test_a_view_that_guards_nothing_gets_drfs_page_as_it_is() -> None:
     assert panel(html) is None
     assert "browsable-api.js" not in html
     assert 'id="post-generic-content-form"' in html
+
+
+class DefaultRenderersView(IdempotencyMixin, APIView):
+    """The mixin with DRF's default renderers: its browsable page gets the key field anyway."""
+
+    def get(self, request: Any) -> Response:
+        return Response({"ok": True})
+
+    def post(self, request: Any) -> Response:  # pragma: no cover
+        return Response({"ok": True}, status=201)
+
+
+def test_the_mixin_swaps_drfs_browsable_renderer_for_the_one_that_sends_keys():
+    html = page(DefaultRenderersView)
+    assert "browsable-api.js" in html
+    assert panel(html) is not None and panel(html)["methods"] == "POST"

@@ -263,7 +263,7 @@ def test_a_drf_refusal_behind_the_middleware_is_not_stored(http, key):
     assert record_of(key) is None
 
 
-# --- log lines name the key and the path (issue: first hour) ---------------------------------------
+# --- log lines name the key and the path (issue: first hour) -----------------------------------
 
 
 @pytest.mark.parametrize("door", ALL)

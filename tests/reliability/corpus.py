@@ -333,9 +333,7 @@ RAW: list[RawCase] = [
     RawCase("odd-method", [_key(b"raw-s")], None, "unguarded", method=b"PROPFIND"),
     # The middleware claims only a path that resolves to a view: Django's 404, and no record.
     RawCase("nul-in-path", [_key(b"raw-t")], None, "unguarded", path=b"/plain/middleware/x%00"),
-    RawCase(
-        "crlf-in-path", [_key(b"raw-u")], None, "unguarded", path=b"/plain/middleware/x%0d%0a"
-    ),
+    RawCase("crlf-in-path", [_key(b"raw-u")], None, "unguarded", path=b"/plain/middleware/x%0d%0a"),
     RawCase("raw-utf-8-path", [_key(b"raw-v")], None, path="/plain/middleware/\u2603/".encode()),
     RawCase("raw-latin-1-path", [_key(b"raw-w")], None, path=b"/plain/middleware/\xe9/"),
     RawCase("nul-in-query", [_key(b"raw-x")], "raw-x", path=b"/plain/middleware/hostile/?a=%00"),
