@@ -36,6 +36,28 @@ from django_idempotency.operations import health
 from django_idempotency.operations.actions import ReleaseResult, release_records
 from django_idempotency.querysets import PROCESSING, OutboxStatus, lease_expired_q
 
+__all__ = [
+    "ConsumerFilter",
+    "DISPLAY_BODY_CHARS",
+    "EstimatingPaginator",
+    "ExpiredFilter",
+    "FailedFilter",
+    "HealthPanel",
+    "IdempotencyRecordAdmin",
+    "MAX_INDENT_DEPTH",
+    "OperationsAdmin",
+    "OutboxEventAdmin",
+    "ProcessedMessageAdmin",
+    "RecentValuesFilter",
+    "StuckFilter",
+    "TopicFilter",
+    "nesting_depth",
+    "preformatted",
+    "pretty_body",
+    "pretty_json",
+    "register",
+]
+
 if TYPE_CHECKING:
     ModelAdmin = admin.ModelAdmin[Any]
     QuerySetPaginator = Paginator[Any]
