@@ -1,19 +1,6 @@
-"""Deprecated alias, kept so that old imports keep working; see the import path below.
+"""Deprecated alias of ``django_idempotency.operations.metrics``; import from there. Goes in 2.0."""
 
-Import from ``django_idempotency.operations.metrics`` instead; this module goes in 2.0.
-"""
+from django_idempotency.core.deprecation import moved
+from django_idempotency.operations import metrics
 
-import warnings
-from typing import Any
-
-from django_idempotency.operations import metrics as _target
-
-
-def __getattr__(name: str) -> Any:
-    warnings.warn(
-        f"django_idempotency.metrics is deprecated; "
-        f"import {name} from django_idempotency.operations.metrics.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(_target, name)
+__getattr__ = moved(__name__, metrics)

@@ -45,6 +45,19 @@ def fast_path_awake() -> Iterator[None]:
     cache._resting_until.clear()
 
 
+ON_POSTGRESQL = settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
+
+
+@pytest.fixture(params=["native", "portable"] if ON_POSTGRESQL else ["native"])
+def claim_path(request: Any, monkeypatch: Any) -> str:
+    """On PostgreSQL, run a test through the one-statement claim and through the portable one."""
+    from django_idempotency.request import store
+
+    if request.param == "portable":
+        monkeypatch.setattr(store, "_claim_postgresql", store._claim_portable)
+    return str(request.param)
+
+
 @pytest.fixture
 def client() -> APIClient:
     return APIClient()

@@ -8,7 +8,6 @@ import uuid
 from datetime import timedelta
 
 import pytest
-from django.conf import settings
 from django.http import HttpResponse, StreamingHttpResponse
 
 from django_idempotency import signals
@@ -20,16 +19,6 @@ from tests.factories import age_record, identity
 from tests.testapp.models import Widget
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-ON_POSTGRESQL = settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
-
-
-@pytest.fixture(params=["native", "portable"] if ON_POSTGRESQL else ["native"])
-def claim_path(request, monkeypatch):
-    """On PostgreSQL, run each test through the one-statement claim and the portable one."""
-    if request.param == "portable":
-        monkeypatch.setattr(store, "_claim_postgresql", store._claim_portable)
-    return request.param
 
 
 def proceed(ident) -> Lease:

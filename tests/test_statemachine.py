@@ -9,7 +9,6 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from django.conf import settings
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
@@ -130,15 +129,6 @@ def test_the_querysets_select_what_the_rules_say(rows: list[RecordState]):
 
 
 # --- the store's claim, on every backend and both PostgreSQL paths ----------------------------
-
-ON_POSTGRESQL = settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
-
-
-@pytest.fixture(params=["native", "portable"] if ON_POSTGRESQL else ["native"])
-def claim_path(request, monkeypatch):
-    if request.param == "portable":
-        monkeypatch.setattr(store, "_claim_postgresql", store._claim_portable)
-    return request.param
 
 
 @pytest.mark.django_db(transaction=True)
