@@ -126,8 +126,10 @@ def test_an_event_is_dead_after_max_attempts_and_retry_dead_brings_it_back():
     event = publish_committed(key="k")
     later = publish_committed(key="k", payload={"n": 2})
     dead, failed = [], []
-    signals.event_dead.connect(lambda sender, **kw: dead.append(kw), weak=False)
-    signals.publish_failed.connect(lambda sender, **kw: failed.append(kw), weak=False)
+    on_dead = lambda sender, **kw: dead.append(kw)  # noqa: E731
+    on_failed = lambda sender, **kw: failed.append(kw)  # noqa: E731
+    signals.event_dead.connect(on_dead)
+    signals.publish_failed.connect(on_failed)
     broker.fail_when(lambda m: m.event_id == event.event_id)
     try:
         three_attempts = settings_with(OUTBOX_MAX_ATTEMPTS=3, OUTBOX_BACKOFF_BASE_SECONDS=0.001)
@@ -136,8 +138,9 @@ def test_an_event_is_dead_after_max_attempts_and_retry_dead_brings_it_back():
                 OutboxEvent.objects.pending().update(next_attempt_at=timezone.now())
                 relay.run_once()
     finally:
-        signals.event_dead.receivers.clear()
-        signals.publish_failed.receivers.clear()
+        # Only these: clearing every receiver would also drop the metrics module's.
+        signals.event_dead.disconnect(on_dead)
+        signals.publish_failed.disconnect(on_failed)
     event.refresh_from_db()
     assert event.status == OutboxEvent.Status.DEAD and event.attempts == 3
     assert [kw["attempts"] for kw in failed] == [1, 2, 3]
