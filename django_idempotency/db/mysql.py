@@ -7,6 +7,46 @@ why it is not needed.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
+from django.db.backends.base.base import BaseDatabaseWrapper
+
 # --- idempotency records -----------------------------------------------------------------------
 
 # --- outbox ------------------------------------------------------------------------------------
+
+
+def lock_outbox_key(connection: BaseDatabaseWrapper, table: str, bucket: int) -> None:
+    """Lock the row of ``bucket`` in ``table`` (``OutboxKeyLock``) until the transaction ends.
+
+    MariaDB and MySQL have no transaction-scoped advisory lock (``GET_LOCK`` belongs to the
+    session and outlives a rollback), so a same-key publisher locks a row instead, before its
+    INSERT: a second transaction publishing a key of the same bucket waits here until this one
+    commits or rolls back, and only then takes its ``AUTO_INCREMENT`` id, so same-key ids are
+    in commit order. ``INSERT ... ON DUPLICATE KEY UPDATE`` takes the exclusive lock in one
+    statement whether the row exists or not (a first-time insert holds its new row's lock; a
+    duplicate takes an exclusive lock on the existing row), at any isolation level. INSERT
+    IGNORE followed by SELECT ... FOR UPDATE would not do: two transactions would share the
+    duplicate row's shared lock and then deadlock upgrading it. Rolling back to a savepoint taken
+    before this releases the lock.
+    """
+    quoted = connection.ops.quote_name(table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {quoted} (bucket) VALUES (%s) ON DUPLICATE KEY UPDATE bucket = bucket",
+            [bucket],
+        )
+
+
+#: The database's time in UTC, as Django stores datetimes on this backend. Django's ``Now()`` is
+#: ``CURRENT_TIMESTAMP(6)``, which is in the session's time zone.
+UTC_NOW = "UTC_TIMESTAMP(6)"
+
+
+def outbox_now(connection: BaseDatabaseWrapper) -> datetime:
+    """The database's time, for the relay's leases and backoffs."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {UTC_NOW}")
+        row = cursor.fetchone()
+    now: datetime = row[0]
+    return now.replace(tzinfo=UTC)
