@@ -10,6 +10,7 @@ from django_idempotency.core.types import MAX_KEY_LENGTH, MAX_SCOPE_LENGTH
 from django_idempotency.querysets import (
     IdempotencyRecordQuerySet,
     OutboxEventQuerySet,
+    OutboxKeyLockQuerySet,
     OutboxStatus,
     ProcessedMessageQuerySet,
     RecordStatus,
@@ -166,7 +167,10 @@ class OutboxEvent(models.Model):
     )
     next_attempt_at = models.DateTimeField(
         _("next attempt at"),
-        help_text=_("The relay leaves the event alone until then (backoff after a failure)."),
+        help_text=_(
+            "After a failure, the relay leaves the event alone until then (backoff). An event "
+            "that has not failed is due at once."
+        ),
     )
     locked_until = models.DateTimeField(
         _("locked until"),
@@ -183,12 +187,13 @@ class OutboxEvent(models.Model):
     last_error = models.TextField(
         _("last error"), blank=True, default="", help_text=_("Why the last attempt failed.")
     )
+    # Deprecated: kept (always 0) because the relay index starts with it; see querysets.py.
     transaction_id = models.BigIntegerField(
         _("transaction id"),
         default=0,
         help_text=_(
-            "PostgreSQL id of the inserting transaction, which orders events and gates the "
-            "relay; 0 on other databases."
+            "Deprecated, always 0. Earlier versions stored the inserting PostgreSQL "
+            "transaction's id here; events now leave in id order."
         ),
     )
     created_at = models.DateTimeField(_("created at"), help_text=_("When the event was written."))
@@ -239,6 +244,31 @@ class OutboxEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.topic} {self.event_id} ({self.status})"
+
+
+class OutboxKeyLock(models.Model):
+    """A bucket of ordering keys whose row a publishing transaction locks on MariaDB and MySQL.
+
+    ``publish(key=...)`` locks its key's bucket until the transaction ends, so transactions that
+    publish one key take turns and their events' ids follow their commits. PostgreSQL uses an
+    advisory lock and SQLite its write lock instead; the table exists everywhere and stays
+    empty there. Never shown in the admin.
+    """
+
+    bucket = models.PositiveIntegerField(
+        _("bucket"),
+        primary_key=True,
+        help_text=_("CRC-32 of the ordering key modulo 65,536; keys that share it take turns."),
+    )
+
+    objects = OutboxKeyLockQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("outbox key lock")
+        verbose_name_plural = _("outbox key locks")
+
+    def __str__(self) -> str:
+        return f"outbox key bucket {self.bucket}"
 
 
 class ProcessedMessage(models.Model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from django_idempotency.models import (  # noqa: F401  (named in strings)
         IdempotencyRecord,
         OutboxEvent,
+        OutboxKeyLock,
         ProcessedMessage,
     )
 
@@ -91,14 +93,31 @@ class OutboxStatus(models.TextChoices):
 #: order until someone retries or discards it.
 UNPUBLISHED = (OutboxStatus.PENDING, OutboxStatus.DEAD)
 
-#: The relay's order. ``transaction_id`` is 0 except on PostgreSQL, where it is the inserting
-#: transaction's id, so this is "by transaction, then by insertion" there and plain id order
-#: elsewhere (see relay.py for why).
+#: The relay's order: id order. ``transaction_id`` is a deprecated column, always 0 (migration
+#: 0004 zeroed it for unpublished events), kept first so the relay index
+#: ``(status, transaction_id, id)`` serves the claim; same-key ids are in commit order because
+#: ``publish()`` serialises same-key publishers (see outbox/publish.py).
 RELAY_ORDER = ("transaction_id", "id")
+
+#: Ordering keys hash into this many rows of ``OutboxKeyLock`` (MariaDB and MySQL lock the row
+#: of the key's bucket), so the table stays small and needs no sweep; two keys that share a
+#: bucket only take turns needlessly.
+OUTBOX_KEY_BUCKETS = 65_536
+
+
+def key_bucket(key: str) -> int:
+    """The ``OutboxKeyLock`` row of an ordering key: the same on every process and release."""
+    return zlib.crc32(key.encode()) % OUTBOX_KEY_BUCKETS
 
 
 def lease_free_q(now: datetime) -> Q:
     return Q(locked_until__isnull=True) | Q(locked_until__lte=now)
+
+
+def backing_off_q(now: datetime) -> Q:
+    """Waiting for a retry after a failure. An event that never failed waits for no clock, so
+    neither a publisher's nor an operator's clock running ahead of the relay's can hold it."""
+    return Q(attempts__gt=0, next_attempt_at__gt=now)
 
 
 def earlier_than_q(transaction_id: Any, pk: Any) -> Q:
@@ -120,9 +139,11 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         return self.filter(status__in=UNPUBLISHED)
 
     def due(self, now: datetime | None = None) -> OutboxEventQuerySet:
-        """PENDING, its next attempt has come, and no relay holds a lease on it."""
+        """PENDING, not waiting for a retry, and no relay holds a lease on it."""
         now = now or timezone.now()
-        return self.filter(lease_free_q(now), status=OutboxStatus.PENDING, next_attempt_at__lte=now)
+        return self.filter(lease_free_q(now), status=OutboxStatus.PENDING).exclude(
+            backing_off_q(now)
+        )
 
     def failed(self) -> OutboxEventQuerySet:
         """DEAD events, and PENDING ones that failed at least once and wait for their retry."""
@@ -140,6 +161,18 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
 
     def in_relay_order(self) -> OutboxEventQuerySet:
         return self.order_by(*RELAY_ORDER)
+
+
+class OutboxKeyLockQuerySet(models.QuerySet["OutboxKeyLock"]):
+    def lock(self, key: str) -> None:
+        """Lock ``key``'s bucket row until the transaction ends, inserting it on first use.
+
+        The portable form, for backends without a statement of their own in ``db/``: a
+        ``SELECT ... FOR UPDATE``, and if the row is missing an INSERT in a savepoint. Two
+        transactions inserting the same new row make the second wait for the first; if the
+        first committed, the second's INSERT fails and it locks the existing row instead.
+        """
+        self.select_for_update().get_or_create(bucket=key_bucket(key))
 
 
 # --- Layer 2: idempotent consumers -------------------------------------------------------------

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from django.db import connection, connections, transaction
 
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import publish
+from django_idempotency.outbox.relay import DatabaseClock
 from django_idempotency.publishers.memory import broker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +46,12 @@ def published_ids() -> list[str]:
 
 def is_postgresql() -> bool:
     return connection.vendor == "postgresql"
+
+
+def database_now() -> datetime:
+    """The time by the clock the relay goes by (the database's; the machine's on SQLite)."""
+    with transaction.atomic():
+        return DatabaseClock.read(connection).read_at
 
 
 class HeldTransaction:

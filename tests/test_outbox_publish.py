@@ -6,7 +6,7 @@ from django.db import connection, transaction
 from django_idempotency import signals
 from django_idempotency.exceptions import DuplicateEventId, TransactionRequired, UnroutableTopic
 from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox.publish import NOTIFY_CHANNEL, publish
+from django_idempotency.outbox.publish import NOTIFY_CHANNEL, kick_after_commit, publish
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
 from tests.outbox_support import (
@@ -174,19 +174,12 @@ def test_event_fields_and_enqueued_signal():
     assert stored.next_attempt_at == stored.created_at
 
 
-def test_transaction_id_is_the_inserting_transaction_on_postgresql():
+def test_transaction_id_is_deprecated_and_always_zero():
     with transaction.atomic():
-        first = publish("orders.paid", {})
-        second = publish("orders.paid", {})
-        if is_postgresql():
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_current_xact_id()::text::bigint")
-                current = cursor.fetchone()[0]
-    ids = set(OutboxEvent.objects.values_list("transaction_id", flat=True))
-    if is_postgresql():
-        assert ids == {current} and first.transaction_id == current > 0
-    else:
-        assert ids == {0} and second.transaction_id == 0
+        first = publish("orders.paid", {}, key="k")
+        publish("orders.paid", {})
+    assert set(OutboxEvent.objects.values_list("transaction_id", flat=True)) == {0}
+    assert first.transaction_id == 0
 
 
 def test_commit_notifies_listeners_on_postgresql():
@@ -200,6 +193,22 @@ def test_commit_notifies_listeners_on_postgresql():
             publish("orders.paid", {})
             publish("orders.paid", {})
             assert list(listener.notifies(timeout=0.2, stop_after=1)) == []
+        received = list(listener.notifies(timeout=30, stop_after=1))
+        assert [note.channel for note in received] == [NOTIFY_CHANNEL]
+    finally:
+        listener.close()
+
+
+def test_a_transaction_kicked_by_an_operator_action_still_notifies():
+    if not is_postgresql():
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    listener = connection.get_new_connection(connection.get_connection_params())
+    listener.autocommit = True
+    try:
+        listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        with transaction.atomic():
+            kick_after_commit("default")  # as retry_events() does, before any publish
+            publish("orders.paid", {})
         received = list(listener.notifies(timeout=30, stop_after=1))
         assert [note.channel for note in received] == [NOTIFY_CHANNEL]
     finally:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db.backends.base.base import BaseDatabaseWrapper
+
 # --- idempotency records -----------------------------------------------------------------------
 
 #: The database's time in UTC, as Django stores datetimes here. ``CURRENT_TIMESTAMP`` (what
@@ -22,3 +24,25 @@ def now_plus(seconds: float) -> tuple[str, list[Any]]:
 
 
 # --- outbox ------------------------------------------------------------------------------------
+
+
+def lock_outbox_key(connection: BaseDatabaseWrapper, table: str, bucket: int) -> None:
+    """Lock the row of ``bucket`` in ``table`` (``OutboxKeyLock``) until the transaction ends.
+
+    MariaDB and MySQL have no transaction-scoped advisory lock (``GET_LOCK`` belongs to the
+    session and outlives a rollback), so a same-key publisher locks a row instead, before its
+    INSERT: a second transaction publishing a key of the same bucket waits here until this one
+    commits or rolls back, and only then takes its ``AUTO_INCREMENT`` id, so same-key ids are
+    in commit order. ``INSERT ... ON DUPLICATE KEY UPDATE`` takes the exclusive lock in one
+    statement whether the row exists or not (a first-time insert holds its new row's lock; a
+    duplicate takes an exclusive lock on the existing row), at any isolation level. INSERT
+    IGNORE followed by SELECT ... FOR UPDATE would not do: two transactions would share the
+    duplicate row's shared lock and then deadlock upgrading it. Rolling back to a savepoint taken
+    before this releases the lock.
+    """
+    quoted = connection.ops.quote_name(table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {quoted} (bucket) VALUES (%s) ON DUPLICATE KEY UPDATE bucket = bucket",
+            [bucket],
+        )

@@ -3,6 +3,17 @@
 The event commits or rolls back with the business writes it describes; the relay (relay.py)
 sends it after commit. The event keeps the W3C ``traceparent`` of the span that published it
 (the HTTP request, say), so the consumer's span can link back to it.
+
+Order. The relay sends events in id order, and ids are drawn when a row is inserted, not when
+its transaction commits; so before it inserts a keyed event, ``publish()`` takes a lock on the
+key that the transaction holds until it ends. A second transaction publishing the same key
+waits for the first to commit or roll back, and only then draws its id: same-key ids are in
+commit order, and once the relay sees a key's event, no earlier event of that key can still
+commit. PostgreSQL: a transaction-scoped advisory lock (db/postgresql.py). MariaDB and MySQL:
+the row of the key's bucket in ``OutboxKeyLock`` (db/mysql.py). SQLite: nothing, its write lock
+already serialises writers (db/sqlite.py). Keyless events take no lock. A transaction locks
+each key once, when it first publishes it; two transactions that publish keys A, B and B, A
+can deadlock, which PostgreSQL and MariaDB detect by rolling one back.
 """
 
 from __future__ import annotations
@@ -11,19 +22,22 @@ import json
 import logging
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connections, router, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils import timezone
 
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
+from django_idempotency.db import mysql, postgresql
 from django_idempotency.exceptions import DuplicateEventId, TransactionRequired
 from django_idempotency.inbox.consumers import derived_event_id
-from django_idempotency.models import OutboxEvent
+from django_idempotency.models import OutboxEvent, OutboxKeyLock
 from django_idempotency.publishers.routing import resolve_route
+from django_idempotency.querysets import key_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +47,26 @@ NOTIFY_CHANNEL = "django_idempotency_outbox"
 _MAX_LENGTH = 255
 
 
+#: The savepoints (``connection.savepoint_ids``) open when something was done in a transaction.
+_SavepointPath = list[str | None]
+
+
 @dataclass(slots=True)
 class _AfterCommit:
-    """Registered once per transaction with ``on_commit``; also remembers the transaction id.
+    """Registered once per transaction with ``on_commit``; also remembers what the transaction
+    already did before its INSERTs: the keys it locked and its NOTIFY.
 
     Finding this object in the connection's on-commit list is how ``publish()`` knows the
     transaction already has its kick. A rolled-back savepoint drops it from the list, so the
-    next publish registers (and notifies) again.
+    next publish registers again. A rolled-back savepoint also releases the locks and NOTIFY
+    taken inside it while this object may live on (it was registered before the savepoint), so
+    each is remembered with the savepoints open when it was taken, and taken again once any of
+    them has ended (re-taking a lock the transaction holds is harmless).
     """
 
     using: str
-    transaction_id: int
+    locked: dict[str, _SavepointPath] = field(default_factory=dict)
+    notified: _SavepointPath | None = None
 
     def __call__(self) -> None:
         kick = conf.OUTBOX_KICK
@@ -97,7 +120,7 @@ def publish(
     resolve_route(event.topic)  # an unroutable topic fails now, not after the commit
     now = timezone.now()
     event.created_at = event.next_attempt_at = now
-    event.transaction_id = _after_commit(using).transaction_id
+    _before_insert(connection, _after_commit(using), event.key)
     try:
         event.save(using=using, force_insert=True)
     except IntegrityError as exc:
@@ -119,21 +142,38 @@ def _after_commit(using: str) -> _AfterCommit:
         func = entry[1]  # (savepoint ids, callable, robust)
         if isinstance(func, _AfterCommit) and func.using == using:
             return func
-    transaction_id = 0
-    if connection.vendor == "postgresql":
-        # There is no database feature flag for transaction ids and snapshots; this is
-        # PostgreSQL's own machinery. The id (assigned now if the transaction had none) orders
-        # and gates the relay; pg_notify is transactional, so relays wake only on commit.
-        notify = ", pg_notify(%s, '')" if conf.OUTBOX_NOTIFY else ""
-        with connection.cursor() as cursor:
-            cursor.execute(
-                f"SELECT pg_current_xact_id()::text::bigint{notify}",
-                [NOTIFY_CHANNEL] if notify else [],
-            )
-            transaction_id = int(cursor.fetchone()[0])
-    after_commit = _AfterCommit(using=using, transaction_id=transaction_id)
+    after_commit = _AfterCommit(using=using)
     transaction.on_commit(after_commit, using=using, robust=True)
     return after_commit
+
+
+def _before_insert(connection: BaseDatabaseWrapper, done: _AfterCommit, key: str) -> None:
+    """Lock ``key`` (if any) and NOTIFY, each once per transaction, before the INSERT."""
+    path: _SavepointPath = list(connection.savepoint_ids)
+    lock = bool(key) and not _still_held(done.locked.get(key), path)
+    if connection.vendor == "postgresql":
+        notify = conf.OUTBOX_NOTIFY and not _still_held(done.notified, path)
+        postgresql.before_outbox_insert(
+            connection,
+            lock_key=key if lock else None,
+            notify_channel=NOTIFY_CHANNEL if notify else None,
+        )
+        if notify:
+            done.notified = path
+    elif not lock or connection.vendor == "sqlite":
+        pass  # nothing to lock, or SQLite's write lock already orders writers
+    elif connection.vendor == "mysql":
+        mysql.lock_outbox_key(connection, OutboxKeyLock._meta.db_table, key_bucket(key))
+    else:
+        OutboxKeyLock.objects.using(connection.alias).lock(key)
+    if lock:
+        done.locked[key] = path
+
+
+def _still_held(taken_in: _SavepointPath | None, path: _SavepointPath) -> bool:
+    """Whether something taken inside the savepoints ``taken_in`` still holds: all of them are
+    still open. Django never reuses a savepoint's name inside a transaction."""
+    return taken_in is not None and path[: len(taken_in)] == taken_in
 
 
 def _event_id(value: uuid.UUID | str | None) -> uuid.UUID:
@@ -176,4 +216,4 @@ def _json(name: str, value: Any) -> Any:
 
 def kick_after_commit(using: str) -> None:
     """Kick the relay once the current transaction commits (at once outside one)."""
-    transaction.on_commit(_AfterCommit(using, 0), using=using, robust=True)
+    transaction.on_commit(_AfterCommit(using), using=using, robust=True)

@@ -12,22 +12,19 @@ Locking and ordering, in one place:
   ran out, and whose events another relay has claimed since, changes nothing. The events were
   then published twice with the same ``event_id``, which consumers deduplicate.
 
-Order: events with the same ``key`` leave in relay order, ``(transaction_id, id)``. An event is
-only claimed when no earlier unpublished event with its key exists outside the batch, and inside
-a batch a key's events go out one wave at a time, so a failure holds back the rest of that key
-(and only that key) until the failed event is published.
+Order: events with the same ``key`` leave in id order (``RELAY_ORDER``, whose first column is
+always 0). An event is only claimed when no earlier unpublished event with its key exists outside
+the batch, and inside a batch a key's events go out one wave at a time, so a failure holds back
+the rest of that key (and only that key) until the failed event is published. Id order is commit
+order for a key because ``publish()`` makes same-key publishers take turns (see publish.py): once
+an event is visible here, every earlier event of its key that will ever commit has committed, so
+passing over none of them keeps the order. No event waits for transactions that publish other
+keys, or for a long transaction elsewhere in the database.
 
-On PostgreSQL ids come from a sequence at INSERT time, so an earlier-id event of a transaction
-still running may not be visible yet; passing over it would break the order once it commits. So
-``publish()`` stores the inserting transaction's id and the relay only claims a keyed event once
-every transaction of this database that began before it (an older transaction id) has ended.
-Every earlier event is then visible, and ``(transaction_id, id)`` is a total order no later
-commit can insert into. "Began before" is read from the claim's own snapshot (its list of running
-transaction ids, so nothing can finish unseen between two reads); the running transactions
-``pg_stat_activity`` places in *other* databases are left out, since they cannot write this
-table. The price: a long write transaction in this database delays keyed events (never keyless
-ones) until it ends. On MariaDB and SQLite ``transaction_id`` is 0 and the order is plain id
-order among committed events.
+Time: leases and backoffs are measured by the database's clock, the one clock every relay
+shares, so relays whose own clocks disagree never both hold an event. A pass reads the
+database's time once, at the start of its claim (on PostgreSQL in the statement that pins the
+plan, so without a round trip of its own), and carries it forward on the monotonic clock.
 
 MariaDB's own default is REPEATABLE READ (Django's MySQL backend asks for READ COMMITTED unless
 ``OPTIONS["isolation_level"]`` says otherwise). Under REPEATABLE READ a snapshot lives as long as
@@ -57,12 +54,13 @@ from django.db import (
     router,
     transaction,
 )
-from django.db.models import BigIntegerField, Case, Exists, OuterRef, Q, Value, When
-from django.db.models.expressions import RawSQL
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
+from django_idempotency.db import database_now, postgresql
 from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox.publish import NOTIFY_CHANNEL
@@ -72,30 +70,13 @@ from django_idempotency.querysets import (
     UNPUBLISHED,
     OutboxEventQuerySet,
     OutboxStatus,
+    backing_off_q,
     earlier_than_q,
     lease_free_q,
 )
 
 logger = logging.getLogger(__name__)
 
-#: The oldest transaction id that, as of this statement's snapshot, is still running and not known
-#: to belong to another database (prepared transactions count: their database is not listed).
-#: A keyed event inserted by an older transaction than that can no longer be overtaken.
-_OLDEST_RUNNING_HERE = """COALESCE((
-    SELECT min(running::text::bigint)
-    FROM pg_snapshot_xip(pg_current_snapshot()) AS running
-    WHERE xid(running) NOT IN (
-        SELECT activity.backend_xid FROM pg_stat_activity AS activity
-        WHERE activity.backend_xid IS NOT NULL
-        AND activity.datid IS DISTINCT FROM (
-            SELECT oid FROM pg_database WHERE datname = current_database()
-        )
-    )
-), pg_snapshot_xmax(pg_current_snapshot())::text::bigint)"""
-#: The relay's own transaction, when it runs inside the publishing one (the test fixture).
-_OWN_TRANSACTION = "pg_current_xact_id_if_assigned()::text::bigint"
-#: Above any transaction id: the gate's bound for events it does not hold back.
-_NO_BOUND = 2**63 - 1
 #: Share of the lease a batch may spend publishing before it stops and releases the rest.
 _LEASE_BUDGET = 0.8
 #: The PRODUCER span around each batch handed to a publisher, linked to the publishing spans.
@@ -121,6 +102,37 @@ class RelayStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class DatabaseClock:
+    """The database's time, read once and carried forward on this process's monotonic clock.
+
+    Every relay compares and sets leases (``locked_until``) and backoffs (``next_attempt_at``)
+    by it rather than by its own wall clock, so relays on machines whose clocks disagree by
+    minutes still never hold one event at once. The monotonic clock only measures the seconds
+    since the reading, which no clock setting moves.
+    """
+
+    read_at: datetime
+    monotonic: float
+
+    @classmethod
+    def read(cls, connection: BaseDatabaseWrapper) -> DatabaseClock:
+        """Read the database's time. On PostgreSQL this also pins the claim's plan for the
+        current transaction (see ``db.postgresql.begin_outbox_claim``), in the same statement."""
+        if connection.vendor == "postgresql":
+            now = postgresql.begin_outbox_claim(connection)
+        elif connection.vendor == "mysql":
+            now = database_now(connection.alias)
+        else:
+            # SQLite: the machine's clock is the database's (see db/sqlite.py). Other backends
+            # have no statement here yet, and need their relays' clocks to agree.
+            now = timezone.now()
+        return cls(read_at=now, monotonic=time.monotonic())
+
+    def now(self) -> datetime:
+        return self.read_at + timedelta(seconds=time.monotonic() - self.monotonic)
 
 
 def backoff_delay(attempts: int, rng: random.Random | None = None) -> float:
@@ -177,14 +189,13 @@ class Relay:
                 "transaction.atomic(): a lock or snapshot would be held across the I/O. Call "
                 "it outside the transaction (in tests, use the outbox_relay fixture)."
             )
-        now = timezone.now()
-        events = self._claim(now)
+        events, clock = self._claim()
         if not events:
             return RelayStats()
         deadline = time.monotonic() + self.lease_seconds * _LEASE_BUDGET
         self._publisher_names.clear()
         outcomes = self._publish(events, deadline)
-        return self._ack(events, outcomes)
+        return self._ack(events, outcomes, clock)
 
     def drain(self, max_batches: int | None = None) -> RelayStats:
         """Passes until nothing is due (or ``max_batches``)."""
@@ -238,38 +249,18 @@ class Relay:
         # lands in the same batch. One that is DEAD, backing off or leased elsewhere does.
         blocker = same_key_earlier.filter(
             Q(status=OutboxStatus.DEAD)
-            | Q(status=OutboxStatus.PENDING, next_attempt_at__gt=now)
+            | Q(backing_off_q(now), status=OutboxStatus.PENDING)
             | Q(status=OutboxStatus.PENDING, locked_until__gt=now)
         )
-        candidates = events.due(now).filter(Q(key="") | ~Exists(blocker))
-        if connections[self.using].vendor == "postgresql":
-            # One comparison rather than an OR of three: an OR here lets the planner fetch
-            # every pending row through a bitmap and sort them, instead of walking the relay
-            # index in order and stopping after one batch.
-            bound = Case(
-                When(key="", then=Value(_NO_BOUND)),
-                When(transaction_id=RawSQL(_OWN_TRANSACTION, []), then=Value(_NO_BOUND)),
-                default=RawSQL(_OLDEST_RUNNING_HERE, []),
-                output_field=BigIntegerField(),
-            )
-            candidates = candidates.filter(transaction_id__lt=bound)
-        return candidates.in_relay_order()
+        return events.due(now).filter(Q(key="") | ~Exists(blocker)).in_relay_order()
 
-    def _claim(self, now: datetime) -> list[OutboxEvent]:
+    def _claim(self) -> tuple[list[OutboxEvent], DatabaseClock]:
         connection = connections[self.using]
         features = connection.features
         with transaction.atomic(using=self.using):
-            if connection.vendor == "postgresql":
-                # Pin the plan for this transaction only. The outbox is a queue, so its
-                # statistics are usually stale, and a planner that misjudges them fetches every
-                # pending row, runs the per-key subquery on each and sorts them all; without
-                # sorting it walks the relay index in order and stops after one batch. JIT
-                # would take far longer to compile the plan than the plan takes to run.
-                with connection.cursor() as cursor:
-                    cursor.execute(
-                        "SELECT set_config('enable_sort', 'off', true), "
-                        "set_config('jit', 'off', true)"
-                    )
+            # Read inside the transaction: on SQLite after BEGIN has waited for the write lock.
+            clock = DatabaseClock.read(connection)
+            now = clock.now()
             candidates = self._candidates(now)
             if features.has_select_for_update:
                 candidates = candidates.select_for_update(
@@ -277,12 +268,12 @@ class Relay:
                 )
             rows = self._without_outsiders(list(candidates[: self.batch_size]))
             if not rows:
-                return []
+                return [], clock
             token = uuid.uuid4()
-            # The lease runs from now, not from ``now``: the claim may have queued for a lock
-            # (SQLite's write lock, or rows without SKIP LOCKED), and the publish budget counts
-            # from after the claim, so a lease counted from before the wait could run out first.
-            until = timezone.now() + timedelta(seconds=self.lease_seconds)
+            # The lease runs from now, not from ``now``: the claim may have queued for row locks
+            # (without SKIP LOCKED), and the publish budget counts from after the claim, so a
+            # lease counted from before the wait could run out first.
+            until = clock.now() + timedelta(seconds=self.lease_seconds)
             ids = [row.pk for row in rows]
             # Fenced on the lease being free, so even a database without row locks can never
             # hand one event to two relays.
@@ -295,7 +286,7 @@ class Relay:
                 rows = list(self._events().filter(relay_token=token).in_relay_order())
         for row in rows:
             row.locked_until, row.relay_token = until, token
-        return rows
+        return rows, clock
 
     def _without_outsiders(self, rows: list[OutboxEvent]) -> list[OutboxEvent]:
         """Drop events with an earlier unpublished same-key event outside this batch.
@@ -388,9 +379,12 @@ class Relay:
     # --- acknowledge --------------------------------------------------------------------------
 
     def _ack(
-        self, events: list[OutboxEvent], outcomes: dict[int, BaseException | None]
+        self,
+        events: list[OutboxEvent],
+        outcomes: dict[int, BaseException | None],
+        clock: DatabaseClock,
     ) -> RelayStats:
-        now = timezone.now()
+        now = clock.now()
         max_attempts = conf.OUTBOX_MAX_ATTEMPTS
         token = events[0].relay_token
         stats = RelayStats(claimed=len(events))
