@@ -6,4 +6,6 @@ from django_idempotency.core import types
 from django_idempotency.core.deprecation import moved
 from django_idempotency.request import heartbeat, lifecycle, store
 
+__all__: list[str] = []  # a deprecated alias: nothing of its own
+
 __getattr__ = moved(__name__, types, lifecycle, store, heartbeat)

@@ -3,4 +3,6 @@
 from django_idempotency.core.deprecation import moved
 from django_idempotency.operations import health
 
+__all__: list[str] = []  # a deprecated alias: nothing of its own
+
 __getattr__ = moved(__name__, health)

@@ -16,6 +16,8 @@ from django_idempotency.querysets import (
     RecordStatus,
 )
 
+__all__ = ["IdempotencyRecord", "OutboxEvent", "OutboxKeyLock", "ProcessedMessage"]
+
 
 class IdempotencyRecord(models.Model):
     """One idempotency key in one scope: who holds it, and the response once it completed."""

@@ -12,6 +12,28 @@ from django.utils import timezone
 
 from django_idempotency.core import statemachine
 
+__all__ = [
+    "COMPLETED",
+    "IdempotencyRecordQuerySet",
+    "OUTBOX_KEY_BUCKETS",
+    "OutboxEventQuerySet",
+    "OutboxKeyLockQuerySet",
+    "OutboxStatus",
+    "PROCESSING",
+    "ProcessedMessageQuerySet",
+    "RELAY_ORDER",
+    "RecordStatus",
+    "UNPUBLISHED",
+    "backing_off_q",
+    "earlier_than_q",
+    "expired_q",
+    "key_bucket",
+    "lease_expired_q",
+    "lease_free_q",
+    "lease_running_q",
+    "stale_q",
+]
+
 if TYPE_CHECKING:
     from django_idempotency.models import (  # noqa: F401  (named in strings)
         IdempotencyRecord,

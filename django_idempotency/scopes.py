@@ -3,4 +3,6 @@
 from django_idempotency.core.deprecation import moved
 from django_idempotency.request import scopes
 
+__all__: list[str] = []  # a deprecated alias: nothing of its own
+
 __getattr__ = moved(__name__, scopes)

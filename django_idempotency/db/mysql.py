@@ -11,6 +11,8 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+__all__ = ["NOW", "lock_outbox_key", "now_plus"]
+
 # --- idempotency records -----------------------------------------------------------------------
 
 #: The database's time in UTC, as Django stores datetimes here. ``CURRENT_TIMESTAMP`` (what

@@ -13,6 +13,15 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+__all__ = [
+    "NOW",
+    "OUTBOX_KEY_LOCK_CLASS",
+    "before_outbox_insert",
+    "begin_outbox_claim",
+    "claim_statement",
+    "now_plus",
+]
+
 # --- idempotency records -----------------------------------------------------------------------
 
 #: The database's time for this statement. PostgreSQL's ``now()`` is the transaction's start,

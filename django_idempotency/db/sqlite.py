@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["NOW", "now_plus"]
+
 # --- idempotency records -----------------------------------------------------------------------
 
 #: The database's time in UTC, in the text form Django stores (milliseconds: SQLite's clock

@@ -10,15 +10,14 @@ minutes old, and a request may have taken the row since. The outbox's own action
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
 
 from django.db.models import QuerySet
-from django.utils import timezone
 
 from django_idempotency import signals
+from django_idempotency.core.statemachine import lease_running
+from django_idempotency.db import database_now
 from django_idempotency.db.batches import Row, locked_batches
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.querysets import PROCESSING
 
 __all__ = ["RELEASE_BATCH_SIZE", "ReleaseResult", "release_records"]
 
@@ -58,8 +57,8 @@ def release_records(
     def release(using: str, rows: list[Row]) -> tuple[list[Row], int]:
         # Judged as the row is now, not as the admin page showed it: a stuck key may have been
         # taken over by a retry since, and is then running again.
-        now = timezone.now()
-        chosen = [row for row in rows if force or not _lease_running(row[3], row[4], now)]
+        now = database_now(using)  # leases are the database's, whatever this machine's clock says
+        chosen = [row for row in rows if force or not lease_running(row[3], row[4], now)]
         IdempotencyRecord.objects.using(using).filter(pk__in=[row[0] for row in chosen]).delete()
         return chosen, len(rows) - len(chosen)
 
@@ -71,7 +70,3 @@ def release_records(
         for _pk, scope, key, _status, _lease in chosen:
             signals.key_released.send(sender=IdempotencyRecord, scope=scope, key=key, reason=reason)
     return ReleaseResult(released=released, refused=refused)
-
-
-def _lease_running(status: str, lease_expires_at: datetime | None, now: datetime) -> bool:
-    return status == PROCESSING and lease_expires_at is not None and lease_expires_at > now

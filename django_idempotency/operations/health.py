@@ -164,9 +164,9 @@ def outbox_health(using: str | None = None) -> OutboxHealth:
     """Three bounded reads through the relay index, whatever the table's size.
 
     The oldest pending event is the oldest among the first ``OLDEST_PENDING_SAMPLE`` in the
-    relay's order, ``(transaction_id, id)``: that order follows creation closely (it is creation
-    order apart from transactions that overlap), and a ``MIN(created_at)`` over every pending
-    event would read the whole backlog, which is large exactly when someone looks.
+    relay's order (id order): that order follows creation closely (it is creation order apart
+    from transactions that overlap), and a ``MIN(created_at)`` over every pending event would
+    read the whole backlog, which is large exactly when someone looks.
     """
     events = OutboxEvent.objects.using(using).all() if using else OutboxEvent.objects.all()
     pending = events.pending()

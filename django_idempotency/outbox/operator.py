@@ -14,8 +14,8 @@ from datetime import datetime
 
 from django.db import router
 from django.db.models import QuerySet
-from django.utils import timezone
 
+from django_idempotency.db import database_now
 from django_idempotency.db.batches import Row, locked_batches
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox.publish import kick_after_commit
@@ -96,7 +96,7 @@ def _change_failed_events(
         # The rows are locked: a relay's claim skips them (SKIP LOCKED) and its ack waits for
         # this commit. A running lease means a relay is between claim and ack; changing the
         # row under it would let another relay send the event while the first one does.
-        now = timezone.now()
+        now = database_now(using)  # relay leases are the database's, like the relay's own
         batch = OutboxEvent.objects.using(using).filter(pk__in=[row[0] for row in rows])
         in_flight = batch.leased(now).count()
         changed = apply(batch.failed().filter(lease_free_q(now)), now)

@@ -39,6 +39,8 @@ from django_idempotency.models import OutboxEvent, OutboxKeyLock
 from django_idempotency.publishers.routing import resolve_route
 from django_idempotency.querysets import key_bucket
 
+__all__ = ["NOTIFY_CHANNEL", "kick_after_commit", "publish"]
+
 logger = logging.getLogger(__name__)
 
 #: PostgreSQL channel the publishing transaction notifies, waking ``outbox_relay --loop``.

@@ -75,6 +75,8 @@ from django_idempotency.querysets import (
     lease_free_q,
 )
 
+__all__ = ["DatabaseClock", "Relay", "RelayStats", "SEND_SPAN", "backoff_delay"]
+
 logger = logging.getLogger(__name__)
 
 #: Share of the lease a batch may spend publishing before it stops and releases the rest.
