@@ -21,7 +21,7 @@ from django_idempotency import checks
 from django_idempotency.conf import DEFAULTS
 from django_idempotency.inbox import idempotent_consumer
 
-pytestmark = pytest.mark.django_db  # Django 6's model checks ask the database about JSON
+pytestmark = pytest.mark.django_db(databases="__all__")  # Django 6's model checks ask the database about JSON
 
 MEMORY = "django_idempotency.publishers.memory.MemoryPublisher"
 WEBHOOK = "django_idempotency.publishers.webhook.WebhookPublisher"

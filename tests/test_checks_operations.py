@@ -69,7 +69,7 @@ def test_importable():
     assert not checks.importable("no_such_package.sub")
 
 
-@pytest.mark.django_db  # Django 6 runs the database checks too
+@pytest.mark.django_db(databases="__all__")  # Django 6 runs the database checks too
 def test_check_is_registered():
     with (
         override_settings(IDEMPOTENCY={"METRICS": "sometimes"}),

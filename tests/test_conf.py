@@ -85,7 +85,7 @@ def test_booleans_accept_the_usual_spellings(name):
             assert getattr(conf, name) is False, value
 
 
-@pytest.mark.django_db  # `check` runs Django's model checks too
+@pytest.mark.django_db(databases="__all__")  # `check` runs Django's model checks too
 @pytest.mark.parametrize("name", BOOLEANS)
 @pytest.mark.parametrize("value", NOT_BOOLEANS)
 def test_anything_else_is_an_error_never_a_silent_true(name, value):
@@ -109,7 +109,7 @@ def test_a_boolean_message_names_the_type_not_the_value():
     assert "hunter2" not in str(raised.value) and "got a str" in str(raised.value)
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(databases="__all__")
 @pytest.mark.parametrize("name", NUMBERS)
 def test_numbers_given_as_strings_keep_working(name):
     default = DEFAULTS[name]
@@ -120,7 +120,7 @@ def test_numbers_given_as_strings_keep_working(name):
         assert f"IDEMPOTENCY[{name!r}]" not in out.getvalue()
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(databases="__all__")
 @pytest.mark.parametrize("name", NUMBERS)
 @pytest.mark.parametrize("value", ["soon", "", None, True, [30]])
 def test_a_non_number_is_an_error_naming_the_setting(name, value):

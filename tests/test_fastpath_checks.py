@@ -60,6 +60,7 @@ def test_retry_seconds_accepts_zero_and_more(settings, retry):
     assert check_fast_path() == []
 
 
+@pytest.mark.django_db(databases="__all__")  # Django 6 asks every database about JSON
 def test_checks_are_bound(settings):
     settings.IDEMPOTENCY = {"CACHE_ALIAS": "missing"}
     with pytest.raises(SystemCheckError, match="E040"):

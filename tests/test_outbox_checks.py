@@ -97,7 +97,7 @@ def test_not_a_dict_is_left_to_e001():
         assert check_consumers() == []
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(databases="__all__")
 def test_call_command_check_fails_on_a_bad_outbox_setting():
     with settings_with(OUTBOX_BATCH_SIZE=0), pytest.raises(SystemCheckError, match="E022"):
         call_command("check")

@@ -27,7 +27,7 @@ from django_idempotency.publishers.base import Publisher
 from django_idempotency.publishers.routing import PublisherSet, Route, build, resolve_route
 from tests.outbox_support import settings_with
 
-pytestmark = pytest.mark.django_db
+pytestmark = pytest.mark.django_db(databases="__all__")
 
 SECRET = "whsec-0f9e8d7c6b5a"
 PASSWORD = "pa55-w0rd-4f3e"
