@@ -21,7 +21,8 @@ from django_idempotency import checks
 from django_idempotency.conf import DEFAULTS
 from django_idempotency.inbox import idempotent_consumer
 
-pytestmark = pytest.mark.django_db(databases="__all__")  # Django 6's model checks ask the database about JSON
+# Django 6 runs the model checks against every database, and they ask it about JSON.
+pytestmark = pytest.mark.django_db(databases="__all__")
 
 MEMORY = "django_idempotency.publishers.memory.MemoryPublisher"
 WEBHOOK = "django_idempotency.publishers.webhook.WebhookPublisher"
