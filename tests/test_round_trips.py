@@ -71,3 +71,23 @@ def test_whole_request_through_the_mixin(client, key, django_assert_num_queries)
     with django_assert_num_queries(REPLAY[vendor]):
         again = client.post("/api/widget/", {"name": "n"}, format="json", HTTP_IDEMPOTENCY_KEY=key)
     assert again["Idempotent-Replay"] == "true"
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="transaction ids are PostgreSQL's")
+@pytest.mark.parametrize("path", ["replay", "conflict", "mismatch"])
+def test_an_answer_that_needs_no_claim_writes_nothing(key, path):
+    """A replay, a 409 and a 422 only read: the claim statement takes no row lock and no
+    transaction id, so it writes no WAL and waits for no flush."""
+    from django.db import transaction
+
+    decision = lifecycle.claim(identity(key))
+    if path == "replay":
+        lifecycle.run(decision.lease, lambda: HttpResponse(b"ok", status=201))
+    fingerprint = "0" * 64 if path == "mismatch" else "f" * 64
+    with transaction.atomic(), connection.cursor() as cursor:
+        answer = lifecycle.claim(identity(key, fingerprint))
+        cursor.execute("SELECT pg_current_xact_id_if_assigned()")
+        assigned = cursor.fetchone()[0]
+    expected = {"replay": types.Replay, "conflict": types.Conflict, "mismatch": types.Mismatch}
+    assert isinstance(answer, expected[path])
+    assert assigned is None, "the claim wrote (took a transaction id) to answer a retry"

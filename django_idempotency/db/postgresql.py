@@ -37,24 +37,22 @@ def now_plus(seconds: float) -> tuple[str, list[Any]]:
 def claim_statement(table: str, column: Callable[[str], str], names: Sequence[str]) -> str:
     """The claim as one statement: insert, take over, reuse an expired record, or read it.
 
-    ``names`` are the inserted columns in order; their parameters follow, then ``scope`` and
-    ``key`` for the trailing read. The statement computes every time from ``NOW`` itself and
-    returns the record's row, whether it was claimed, and the database time it judged by.
+    Parameters are named: one per inserted column in ``names`` but the times, which come from
+    ``NOW`` plus ``lease_seconds`` and ``expiry_seconds`` (see :func:`_value`). It returns the
+    record's row, whether this request claimed it, and the database time it judged by.
 
-    ``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` locks the conflicting row and re-checks the
-    conditions on its latest version, so two claims can never both win. The conditions are
-    ``statemachine.is_expired`` (absent) and ``Verdict.TAKE_OVER`` (stale) written in SQL; a
-    property test holds them to the Python rules. When neither holds, the trailing SELECT
-    returns the row as of the statement's snapshot, enough to replay or answer 409 or 422; if a
-    concurrent statement committed the row after that snapshot, nothing comes back and the
-    caller runs another round.
+    A replay, a ``409`` and a ``422`` only *read*: ``INSERT ... ON CONFLICT DO NOTHING`` leaves an
+    existing row alone without locking it, and the UPDATE finds nothing to change, so the
+    statement writes nothing, takes no transaction id and flushes no WAL. Only an absent key
+    (the INSERT) or an expired or stale record (the UPDATE, whose WHERE PostgreSQL re-checks on
+    the row's latest version under its lock) writes, so two claims can never both win. The
+    conditions are ``statemachine.is_expired`` and ``Verdict.TAKE_OVER`` written in SQL; a
+    property test holds them to the Python rules. If a concurrent claim committed the row after
+    this statement's snapshot, nothing comes back and the caller runs another round.
     """
 
     def col(name: str) -> str:
         return f"{table}.{column(name)}"
-
-    def excluded(name: str) -> str:
-        return f"EXCLUDED.{column(name)}"
 
     lease_running = (
         f"({col('status')} = 'PROCESSING' AND {col('lease_expires_at')} IS NOT NULL "
@@ -63,44 +61,46 @@ def claim_statement(table: str, column: Callable[[str], str], names: Sequence[st
     expired = f"({col('expires_at')} <= {NOW} AND NOT {lease_running})"
     stale = (
         f"({col('status')} = 'PROCESSING' AND NOT {lease_running} "
-        f"AND {col('fingerprint')} = {excluded('fingerprint')})"
+        f"AND {col('fingerprint')} = %(fingerprint)s)"
     )
-    assignments = [
-        f"{column(name)} = {excluded(name)}"
-        for name in names
-        if name not in ("scope", "key", "attempts", "created_at")
-    ]
+    updated = [name for name in names if name not in ("scope", "key", "attempts", "created_at")]
+    assignments = [f"{column(name)} = {_value(name)}" for name in updated]
     # A takeover continues the same logical request: its attempt count and first claim time
     # carry over. An expired record is a new request that happens to reuse the row.
     assignments.append(
         f"{column('attempts')} = CASE WHEN {expired} THEN 1 ELSE {col('attempts')} + 1 END"
     )
     assignments.append(
-        f"{column('created_at')} = "
-        f"CASE WHEN {expired} THEN {excluded('created_at')} ELSE {col('created_at')} END"
+        f"{column('created_at')} = CASE WHEN {expired} THEN {NOW} ELSE {col('created_at')} END"
     )
+    key = f"{col('scope')} = %(scope)s AND {col('key')} = %(key)s"
     return (
-        f"WITH claimed AS ("
+        f"WITH inserted AS ("
         f"INSERT INTO {table} ({', '.join(column(name) for name in names)}) "
         f"VALUES ({', '.join(_value(name) for name in names)}) "
-        f"ON CONFLICT ({column('scope')}, {column('key')}) "
-        f"DO UPDATE SET {', '.join(assignments)} "
-        f"WHERE {expired} OR {stale} "
+        f"ON CONFLICT ({column('scope')}, {column('key')}) DO NOTHING "
+        f"RETURNING {table}.*, true AS claimed), "
+        f"reclaimed AS ("
+        f"UPDATE {table} SET {', '.join(assignments)} "
+        f"WHERE {key} AND ({expired} OR {stale}) "
         f"RETURNING {table}.*, true AS claimed) "
-        f"SELECT *, {NOW} AS database_now FROM claimed UNION ALL "
+        f"SELECT *, {NOW} AS database_now FROM inserted UNION ALL "
+        f"SELECT *, {NOW} AS database_now FROM reclaimed UNION ALL "
         f"SELECT {table}.*, false AS claimed, {NOW} AS database_now FROM {table} "
-        f"WHERE {col('scope')} = %s AND {col('key')} = %s "
-        f"AND NOT EXISTS (SELECT 1 FROM claimed)"
+        f"WHERE {key} AND NOT EXISTS (SELECT 1 FROM inserted) "
+        f"AND NOT EXISTS (SELECT 1 FROM reclaimed)"
     )
 
 
 def _value(name: str) -> str:
-    """The placeholder of an inserted column; times are the database's own."""
+    """The named placeholder of a column's value; times are the database's own."""
     if name == "created_at":
         return NOW
-    if name in ("lease_expires_at", "expires_at"):
-        return f"({NOW} + make_interval(secs => %s))"
-    return "%s"
+    if name == "lease_expires_at":
+        return f"({NOW} + make_interval(secs => %(lease_seconds)s))"
+    if name == "expires_at":
+        return f"({NOW} + make_interval(secs => %(expiry_seconds)s))"
+    return f"%({name})s"
 
 
 # --- outbox ------------------------------------------------------------------------------------

@@ -253,10 +253,11 @@ def _claim_postgresql(identity: Identity, using: str, owner_token: uuid.UUID) ->
         "response_retained": True,
         "completed_at": None,
     }
-    params = [_field(name).get_db_prep_save(value, connection) for name, value in values.items()]
-    # The times: created_at is the statement's own; then the lease and the record's expiry.
-    params += [conf.LEASE_SECONDS, conf.LEASE_SECONDS + conf.TTL_SECONDS]
-    params += [identity.scope, identity.key]
+    params = {
+        name: _field(name).get_db_prep_save(value, connection) for name, value in values.items()
+    }
+    params["lease_seconds"] = conf.LEASE_SECONDS
+    params["expiry_seconds"] = conf.LEASE_SECONDS + conf.TTL_SECONDS
     # A plain cursor rather than .raw(): this runs on every write request, and building the row
     # by hand costs a fraction of RawQuerySet's column resolution.
     with connection.cursor() as cursor:
@@ -276,8 +277,8 @@ def _claim_postgresql(identity: Identity, using: str, owner_token: uuid.UUID) ->
     return None if isinstance(decision, Verdict) else decision
 
 
-#: Inserted columns in the order their parameters are sent; times come last (see
-#: ``db.postgresql.claim_statement``).
+#: The inserted columns (their parameters are named after them; the times come from the database,
+#: see ``db.postgresql.claim_statement``).
 _CLAIM_COLUMNS = (
     "scope", "key", "fingerprint", "status", "owner_token", "method", "path", "attempts",
     "response_status", "response_headers", "response_body", "response_retained",
