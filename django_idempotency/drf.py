@@ -54,6 +54,9 @@ class IdempotencyMixin(_Base):
     idempotency_heartbeat: bool | None = None
     #: The largest raw body the fingerprint reads (see ``@idempotent``'s ``max_body``).
     idempotency_max_body: BodyLimit = DJANGO_LIMIT
+    #: Run DRF's permission and throttle checks before a replay too (off: a replay is the
+    #: caller's own stored answer, sent once the caller is authenticated).
+    idempotency_recheck_replays: bool = False
 
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
@@ -90,19 +93,26 @@ class IdempotencyMixin(_Base):
     # --- the door ------------------------------------------------------------------------------
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        """Authenticate, claim the key, then DRF's own checks; a replay skips those checks.
+
+        Authentication comes first because it decides the key's scope. A replay is the caller's
+        own stored answer: it is sent at once, without DRF's content negotiation, permission and
+        throttle checks (``idempotency_recheck_replays = True`` runs them first). A request
+        that claimed its key and is then refused by a permission or a throttle gives the key
+        back, so nothing is stored for it.
+        """
         options = self.get_idempotency_options()
         handler_name = (request.method or "").lower()
         handler = (
             getattr(self, handler_name, None) if handler_name in self.http_method_names else None
         )
-        guarded = handler is not None and lifecycle.guards(request._request, options)
-        if guarded:
-            # Read the body now, before an authentication or permission class can consume the
-            # stream, so the fingerprint sees exactly what the handler will.
-            prepare_body(request._request)
-        super().initial(request, *args, **kwargs)
-        if handler is None or not guarded:
+        if handler is None or not lifecycle.guards(request._request, options):
+            super().initial(request, *args, **kwargs)
             return
+        # Read the body now, before an authentication or permission class can consume the
+        # stream, so the fingerprint sees exactly what the handler will.
+        prepare_body(request._request)
+        self.perform_authentication(request)
         decision = lifecycle.admit(
             request._request,
             scope=partial(self.get_idempotency_scope, request),
@@ -110,17 +120,25 @@ class IdempotencyMixin(_Base):
         )
         match decision:
             case Replay(response=stored):
+                if self.idempotency_recheck_replays:
+                    super().initial(request, *args, **kwargs)
                 replayed = lifecycle.replay(stored)
                 wrapped: Callable[..., HttpResponseBase] = lambda *a, **k: replayed  # noqa: E731
             case Conflict() | Mismatch():
                 raise lifecycle.refusal(decision)
             case Proceed(lease=lease):
+                try:
+                    super().initial(request, *args, **kwargs)
+                except BaseException:
+                    lifecycle.release(lease, "refused")
+                    raise
 
                 def wrapped(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
                     call = partial(_finalized, self, handler, request, args, kwargs)
                     return lifecycle.run(lease, call, options, request=request._request)
 
             case None:
+                super().initial(request, *args, **kwargs)
 
                 def wrapped(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
                     return lifecycle.unhandled(partial(handler, request, *args, **kwargs))

@@ -221,6 +221,46 @@ def test_throttled_request_is_never_stored(client, key):
     assert not IdempotencyRecord.objects.filter(key=key).exists()
 
 
+def test_a_replay_is_not_throttled_but_a_new_request_is(client, key):
+    """A replay is the caller's own stored answer: DRF's throttles and permissions are not run
+    again for it, where a new key still meets them."""
+    from django.core.cache import cache
+
+    cache.clear()
+    first = post(client, key, url="/api/throttled-widget/")
+    assert first.status_code == 201
+    replay = post(client, key, url="/api/throttled-widget/")
+    assert replay.status_code == 201 and replay["Idempotent-Replay"] == "true"
+    assert replay.content == first.content
+    assert post(client, key + "-new", url="/api/throttled-widget/").status_code == 429
+
+
+def test_a_replay_can_be_made_to_meet_the_checks_again(client, key, monkeypatch):
+    from django.core.cache import cache
+
+    from tests.testapp.views import ThrottledWidgetView
+
+    monkeypatch.setattr(ThrottledWidgetView, "idempotency_recheck_replays", True, raising=False)
+    cache.clear()
+    assert post(client, key, url="/api/throttled-widget/").status_code == 201
+    assert post(client, key, url="/api/throttled-widget/").status_code == 429
+
+
+def test_a_claimed_key_refused_by_a_permission_is_given_back(client, key):
+    from django_idempotency import signals
+
+    released: list[str] = []
+    receiver = lambda **kwargs: released.append(kwargs["reason"])  # noqa: E731
+    signals.key_released.connect(receiver, weak=False)
+    try:
+        denied = post(client, key, url="/api/auth-widget/")
+    finally:
+        signals.key_released.disconnect(receiver)
+    assert denied.status_code in (401, 403)
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    assert released == ["refused"]
+
+
 def test_tenants_never_see_each_others_responses(client, key):
     alice, bob = UserFactory(), UserFactory()
     client.force_authenticate(alice)

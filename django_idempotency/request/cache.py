@@ -48,7 +48,7 @@ REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError)
 
 #: ``key_released`` reasons for a request giving up its own PROCESSING record, which never has
 #: a copy in Redis; any other release (the admin's, a sweep's) deletes the copy.
-_OWN_RELEASE_REASONS = frozenset({"not_stored", "exception", "rolled_back"})
+_OWN_RELEASE_REASONS = frozenset({"not_stored", "exception", "rolled_back", "refused"})
 
 _COPY = b"C"
 

@@ -82,6 +82,7 @@ __all__ = [
     "opt_out_of_atomic_requests",
     "read_key",
     "refusal",
+    "release",
     "replay",
     "run",
     "serve",
@@ -250,17 +251,17 @@ def run(
             _complete(lease, stored)
             completed_at = time.monotonic()
     except _NotStored as not_stored:
-        _release(lease, not_stored.reason)
+        release(lease, not_stored.reason)
         return _first_time(not_stored.response)
     except LeaseLost as exc:
         events.lease_lost(lease.identity)
         raise LeaseLostConflict() from exc
     except UNAVAILABLE_ERRORS as exc:
         events.store_unavailable(lease.identity, "database unavailable during the request", exc)
-        _release(lease, "exception")
+        release(lease, "exception")
         raise StoreUnavailable() from exc
     except BaseException:
-        _release(lease, "exception")
+        release(lease, "exception")
         raise
     events.completed(lease, stored)
     if cache.enabled():
@@ -277,7 +278,7 @@ def _complete(lease: Lease, stored: StoredResponse) -> None:
         raise LeaseLost("the lease was taken over by another request")
 
 
-def _release(lease: Lease, reason: str) -> None:
+def release(lease: Lease, reason: str) -> None:
     """Give the key back so a retry runs at once. Never raises: if the database is gone, the
     lease runs out instead and the retry takes the key over then."""
     try:
