@@ -285,3 +285,32 @@ def test_replay_and_conflict_log_lines_carry_the_key_method_and_path(http, door,
         assert line.idempotency_method == "POST"
         assert line.idempotency_path == doors.DOORS[door]
         assert key not in line.getMessage()
+
+
+# --- Django's async test client: the ASGI handler, in process ------------------------------------
+
+
+@pytest.mark.parametrize("door", ALL)
+def test_the_async_client_gets_the_same_answers(door, key):
+    from asgiref.sync import async_to_sync
+    from django.test import AsyncClient
+
+    client = AsyncClient(raise_request_exception=False)
+
+    def send_async(**body: Any) -> Any:
+        return async_to_sync(client.post)(
+            doors.DOORS[door],
+            json.dumps(body),
+            content_type="application/json",
+            headers={"Idempotency-Key": key},
+        )
+
+    first = send_async(name="a", mode="rollback_once")
+    assert first.status_code == 409 and first.json()["error"] == "declined"
+    assert not Widget.objects.exists() and record_of(key) is None
+    ran = send_async(name="a", mode="rollback_once")
+    assert ran.status_code == 201 and ran["Idempotent-Replay"] == "false"
+    replay = send_async(name="a", mode="rollback_once")
+    assert replay["Idempotent-Replay"] == "true" and replay.content == ran.content
+    assert send_async(name="b").status_code == 422
+    assert Widget.objects.count() == 1

@@ -104,7 +104,10 @@ settings.configure(
                     "django.template.context_processors.request",
                     "django.contrib.auth.context_processors.auth",
                     "django.contrib.messages.context_processors.messages"]}}],
-    DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+    DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:",
+                           "OPTIONS": {"transaction_mode": "IMMEDIATE"}}},
+    IDEMPOTENCY={"OUTBOX_PUBLISHERS": {"*": "django_idempotency.publishers.log.LoggingPublisher"},
+                 "OUTBOX_KICK": None},
     STATIC_URL="static/",
 )
 django.setup()
