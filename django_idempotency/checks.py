@@ -810,7 +810,7 @@ SETTINGS_CHECKS: tuple[Check, ...] = (
     ),
     Check(
         E011,
-        _not_booleans("KEY_REQUIRED", "LEASE_HEARTBEAT", "LOG_KEYS"),
+        _not_booleans("KEY_REQUIRED", "LEASE_HEARTBEAT", "LOG_KEYS", "TAKE_OVER_DEAD_OWNERS"),
         BOOLEAN_MESSAGE,
     ),
     Check(

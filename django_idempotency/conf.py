@@ -51,6 +51,7 @@ DEFAULTS: dict[str, Any] = {
     "STORED_RESPONSE_HEADERS": ("Content-Type", "Location"),
     "MAX_RESPONSE_BYTES": 1024 * 1024,
     "LEASE_HEARTBEAT": False,
+    "TAKE_OVER_DEAD_OWNERS": True,
     "MIDDLEWARE_PATHS": (),
     "MIDDLEWARE_METHODS": GUARDED_METHODS,
     "ERROR_TYPE_BASE": "urn:django-idempotency:error:",
@@ -304,6 +305,10 @@ class IdempotencySettings:
     @property
     def CACHE_RETRY_SECONDS(self) -> float:
         return self.number("CACHE_RETRY_SECONDS")
+
+    @property
+    def TAKE_OVER_DEAD_OWNERS(self) -> bool:
+        return self.boolean("TAKE_OVER_DEAD_OWNERS")
 
     @property
     def REGISTER_ADMIN(self) -> bool:

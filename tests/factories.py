@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -135,3 +138,38 @@ def age_record(scope: str, key: str, seconds: float, using: str = "default") -> 
     records.update(created_at=F("created_at") - delta, expires_at=F("expires_at") - delta)
     records.exclude(lease_expires_at=None).update(lease_expires_at=F("lease_expires_at") - delta)
     records.exclude(completed_at=None).update(completed_at=F("completed_at") - delta)
+
+
+@contextlib.contextmanager
+def held_elsewhere(ident: Identity) -> Iterator[Any]:
+    """Claim ``ident`` from another thread, whose database connection (and so its owner lock)
+    stays open until the block ends: a request that is still running somewhere else.
+
+    A claim made on the test's own connection would not do where owners hold session locks:
+    that session is the one asking, and a session always finds its own lock free.
+    """
+    from django.db import connection
+
+    from django_idempotency.request import lifecycle
+
+    claimed: list[Any] = []
+    done = threading.Event()
+    ready = threading.Event()
+
+    def hold() -> None:
+        try:
+            claimed.append(lifecycle.claim(ident))
+            ready.set()
+            done.wait(60)
+        finally:
+            ready.set()
+            connection.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert ready.wait(30) and claimed, "the other request could not claim"
+        yield claimed[0]
+    finally:
+        done.set()
+        thread.join(30)

@@ -19,7 +19,7 @@ from django_idempotency.core.types import Conflict, Proceed
 from django_idempotency.db import database_now
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.request import lifecycle, store
-from tests.factories import age_record, identity
+from tests.factories import age_record, held_elsewhere, identity
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -36,9 +36,10 @@ def proceed(ident):
 
 def test_a_node_whose_clock_runs_ahead_cannot_take_over_a_running_lease():
     ident = identity()
-    held = proceed(ident)
-    with freeze_time(timezone.now() + SKEW, tick=True):
-        decision = lifecycle.claim(ident)
+    with held_elsewhere(ident) as claimed:
+        held = claimed.lease
+        with freeze_time(timezone.now() + SKEW, tick=True):
+            decision = lifecycle.claim(ident)
     assert isinstance(decision, Conflict), "a fast clock took over a running lease"
     assert 1 <= decision.retry_after <= 30
     record = IdempotencyRecord.objects.get(key=ident.key)

@@ -78,22 +78,33 @@ def test_same_key_with_different_bodies_runs_one_of_them(key):
             }
 
 
+def _kill_mid_view(server, key: str, body: dict) -> float:
+    """Start a request that holds inside its view, SIGKILL its worker, and return when."""
+    worker = server.worker_pids()[0]
+    doomed = threading.Thread(
+        target=lambda: _swallow(
+            server.request, "POST", "/api/widget/", body, {"Idempotency-Key": key},
+        ),
+        daemon=True,
+    )  # fmt: skip
+    doomed.start()
+    _wait_for(lambda: IdempotencyRecord.objects.filter(key=key).exists())
+    os.kill(worker, signal.SIGKILL)  # dies mid-view, inside its business transaction
+    return time.monotonic()
+
+
 def test_killed_server_process_leaves_a_key_that_recovers_after_its_lease(key, tmp_path):
+    """Without owner locks (SQLite, or TAKE_OVER_DEAD_OWNERS off) the lease decides."""
     lease_seconds = 6
     hold = tmp_path / "hold"
     hold.touch()
     body = {"name": "w", "hold_file": str(hold)}
-    with gunicorn(IDEMPOTENCY_TEST_LEASE_SECONDS=str(lease_seconds)) as server:
-        worker = server.worker_pids()[0]
-        doomed = threading.Thread(
-            target=lambda: _swallow(
-                server.request, "POST", "/api/widget/", body, {"Idempotency-Key": key},
-            ),
-            daemon=True,
-        )  # fmt: skip
-        doomed.start()
-        _wait_for(lambda: IdempotencyRecord.objects.filter(key=key).exists())
-        os.kill(worker, signal.SIGKILL)  # dies mid-view, inside its business transaction
+    settings = {
+        "IDEMPOTENCY_TEST_LEASE_SECONDS": str(lease_seconds),
+        "IDEMPOTENCY_TEST_TAKE_OVER_DEAD_OWNERS": "false",
+    }
+    with gunicorn(**settings) as server:
+        _kill_mid_view(server, key, body)
         status, headers, content = server.request(
             "POST", "/api/widget/", body, {"Idempotency-Key": key}
         )
@@ -110,6 +121,34 @@ def test_killed_server_process_leaves_a_key_that_recovers_after_its_lease(key, t
             )
         assert status == 201, content
         assert json.loads(content)["attempt"] == 2
+    assert Widget.objects.count() == 1
+    record = IdempotencyRecord.objects.get(key=key)
+    assert (record.status, record.attempts) == ("COMPLETED", 2)
+
+
+@pytest.mark.skipif(connection.vendor == "sqlite", reason="SQLite has no session locks")
+def test_a_killed_owner_is_taken_over_at_once_not_after_its_lease(key, tmp_path):
+    """The owner's connection dies with its process, and its session lock with it: the next
+    retry finds the lock free and takes the key over, long before the 30 s lease ends."""
+    hold = tmp_path / "hold"
+    hold.touch()
+    body = {"name": "w", "hold_file": str(hold)}
+    with gunicorn(IDEMPOTENCY_TEST_LEASE_SECONDS="30") as server:
+        killed_at = _kill_mid_view(server, key, body)
+        hold.unlink()
+        status, statuses = 409, []
+        while status == 409 and time.monotonic() - killed_at < 25:
+            status, headers, content = server.request(
+                "POST", "/api/widget/", body, {"Idempotency-Key": key}
+            )
+            statuses.append(status)
+            if status == 409:
+                time.sleep(0.1)
+        recovered_after = time.monotonic() - killed_at
+        assert status == 201, content
+        assert json.loads(content)["attempt"] == 2
+    print(f"\ntaken over {recovered_after:.2f} s after the kill; answers before: {statuses}")
+    assert recovered_after < 10, f"the key waited {recovered_after:.1f} s: its lease, not its owner"
     assert Widget.objects.count() == 1
     record = IdempotencyRecord.objects.get(key=key)
     assert (record.status, record.attempts) == ("COMPLETED", 2)

@@ -20,9 +20,8 @@ from rest_framework.authtoken.models import Token
 
 from django_idempotency.core.types import Identity, Proceed
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.request import lifecycle
 from django_idempotency.request.fingerprint import request_fingerprint
-from tests.factories import UserFactory
+from tests.factories import UserFactory, held_elsewhere
 from tests.testapp import doors
 from tests.testapp.models import Widget
 
@@ -184,11 +183,10 @@ def test_replay_conflict_and_mismatch(http, door, key):
 def test_a_key_held_by_another_request_is_a_409(http, door, key):
     # Another request holds the key (claimed, still running) for the same request as ours.
     request = RequestFactory().post(doors.DOORS[door], json.dumps({}), "application/json")
-    held = lifecycle.claim(
-        Identity("anonymous", key, request_fingerprint(request), "POST", doors.DOORS[door])
-    )
-    assert isinstance(held, Proceed)
-    conflict = send(http, door, key)
+    ident = Identity("anonymous", key, request_fingerprint(request), "POST", doors.DOORS[door])
+    with held_elsewhere(ident) as held:
+        assert isinstance(held, Proceed)
+        conflict = send(http, door, key)
     assert conflict.status_code == 409
     assert conflict.json()["error"] == "transaction_in_progress"
     assert 1 <= int(conflict["Retry-After"]) <= 30

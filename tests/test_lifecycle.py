@@ -15,7 +15,7 @@ from django_idempotency.core.types import Conflict, Lease, Mismatch, Proceed, Re
 from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.request import lifecycle, store
-from tests.factories import age_record, identity
+from tests.factories import age_record, held_elsewhere, identity
 from tests.testapp.models import Widget
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -89,9 +89,9 @@ def test_completed_key_replays_status_allowed_headers_and_exact_body(claim_path)
 
 def test_running_key_conflicts_with_seconds_left_on_the_lease(claim_path):
     ident = identity()
-    proceed(ident)
-    age_record(ident.scope, ident.key, 10.5)
-    decision = lifecycle.claim(ident)
+    with held_elsewhere(ident):
+        age_record(ident.scope, ident.key, 10.5)
+        decision = lifecycle.claim(ident)
     assert decision == Conflict(retry_after=20)
 
 

@@ -27,7 +27,7 @@ from django_idempotency.core.types import Conflict, Mismatch, Proceed, Replay
 from django_idempotency.db import database_now
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.querysets import expired_q, lease_expired_q, lease_running_q, stale_q
-from django_idempotency.request import store
+from django_idempotency.request import presence, store
 from tests.factories import identity
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
@@ -56,8 +56,8 @@ def records(draw: st.DrawFn, now: datetime = NOW) -> RecordState:
 def test_every_combination_has_the_designed_verdict():
     """DESIGN.md's table, row by row, over every status, lease, expiry and fingerprint."""
     past, future = NOW - timedelta(seconds=5), NOW + timedelta(seconds=5)
-    for status, lease, expiry, fingerprint in itertools.product(
-        [PROCESSING, COMPLETED], [None, past, future], [past, future], [MINE, OTHER]
+    for status, lease, expiry, fingerprint, owner_gone in itertools.product(
+        [PROCESSING, COMPLETED], [None, past, future], [past, future], [MINE, OTHER], [False, True]
     ):
         if status == COMPLETED and lease is not None:
             continue  # a completed record has no lease
@@ -70,10 +70,11 @@ def test_every_combination_has_the_designed_verdict():
         elif status == COMPLETED:
             expected = Verdict.REPLAY
         elif running:
-            expected = Verdict.CONFLICT
+            # A running lease is only cut short when its owner's session is gone.
+            expected = Verdict.TAKE_OVER_DEAD_OWNER if owner_gone else Verdict.CONFLICT
         else:
             expected = Verdict.TAKE_OVER
-        assert judge(record, MINE, NOW) is expected, record
+        assert judge(record, MINE, NOW, owner_gone=owner_gone) is expected, record
     assert judge(None, MINE, NOW) is Verdict.CLAIM
 
 
@@ -149,17 +150,21 @@ def test_a_claim_decides_what_the_rules_say(claim_path, data):
         response_status=201 if record.status == COMPLETED else None,
         response_body=b"stored" if record.status == COMPLETED else None,
     )  # fmt: skip
-    verdict = judge(record, MINE, now)
+    # Nobody holds the record's owner lock (it was written here, not claimed): where owners hold
+    # locks, a running lease of a request that is gone is taken over at once.
+    verdict = judge(record, MINE, now, owner_gone=presence.enabled("default"))
     decision = store.claim(ident, uuid.uuid4())
     expected = {
         Verdict.CLAIM: Proceed,
         Verdict.TAKE_OVER: Proceed,
+        Verdict.TAKE_OVER_DEAD_OWNER: Proceed,
         Verdict.REPLAY: Replay,
         Verdict.CONFLICT: Conflict,
         Verdict.MISMATCH: Mismatch,
     }[verdict]
     assert isinstance(decision, expected), (record, verdict, decision)
     if isinstance(decision, Proceed):
-        assert decision.lease.attempt == (4 if verdict is Verdict.TAKE_OVER else 1)
+        taken_over = verdict in (Verdict.TAKE_OVER, Verdict.TAKE_OVER_DEAD_OWNER)
+        assert decision.lease.attempt == (4 if taken_over else 1)
     if isinstance(decision, Replay):
         assert decision.response.body == b"stored"

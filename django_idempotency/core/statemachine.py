@@ -52,6 +52,9 @@ class Verdict(enum.Enum):
     CLAIM = "claim"
     #: The same request was PROCESSING and its lease ran out: take the key over.
     TAKE_OVER = "take_over"
+    #: The same request is PROCESSING with a running lease, but the connection of the request
+    #: holding it is gone (it can never commit): take the key over now, not after the lease.
+    TAKE_OVER_DEAD_OWNER = "take_over_dead_owner"
     #: COMPLETED by the same request: answer with the stored response.
     REPLAY = "replay"
     #: Another request holds a running lease on the key: 409, retry after it.
@@ -75,8 +78,14 @@ def is_expired(record: RecordState, now: datetime) -> bool:
     )
 
 
-def judge(record: RecordState | None, fingerprint: str, now: datetime) -> Verdict:
-    """The verdict for a request with ``fingerprint`` that finds ``record`` at time ``now``."""
+def judge(
+    record: RecordState | None, fingerprint: str, now: datetime, *, owner_gone: bool = False
+) -> Verdict:
+    """The verdict for a request with ``fingerprint`` that finds ``record`` at time ``now``.
+
+    ``owner_gone``: the database says the connection of the request holding the record is gone
+    (its session lock is free), so whatever it did can never commit.
+    """
     if record is None or is_expired(record, now):
         return Verdict.CLAIM
     if record.fingerprint != fingerprint:
@@ -84,7 +93,7 @@ def judge(record: RecordState | None, fingerprint: str, now: datetime) -> Verdic
     if record.status == COMPLETED:
         return Verdict.REPLAY
     if lease_running(record.status, record.lease_expires_at, now):
-        return Verdict.CONFLICT
+        return Verdict.TAKE_OVER_DEAD_OWNER if owner_gone else Verdict.CONFLICT
     return Verdict.TAKE_OVER
 
 

@@ -53,6 +53,8 @@ class Lease:
     expires_at: datetime
     attempt: int
     using: str
+    #: Whether this request holds its session lock, which tells duplicates it is alive.
+    owner_lock: bool = False
 
     @property
     def taken_over(self) -> bool:

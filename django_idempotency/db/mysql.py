@@ -11,7 +11,14 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-__all__ = ["NOW", "lock_outbox_key", "now_plus"]
+__all__ = [
+    "HOLD_OWNER_LOCK",
+    "LET_GO_OF_OWNER_LOCK",
+    "OWNER_GONE",
+    "NOW",
+    "lock_outbox_key",
+    "now_plus",
+]
 
 # --- idempotency records -----------------------------------------------------------------------
 
@@ -23,6 +30,13 @@ NOW = "UTC_TIMESTAMP(6)"
 def now_plus(seconds: float) -> tuple[str, list[Any]]:
     """The database's time plus ``seconds``, as SQL and its parameters."""
     return f"({NOW} + INTERVAL %s MICROSECOND)", [round(seconds * 1_000_000)]
+
+
+#: Owner locks are named session locks (``GET_LOCK``), one per claim: a duplicate that finds the
+#: name free knows the connection of the request holding the key is gone.
+HOLD_OWNER_LOCK = "SELECT GET_LOCK(%s, 0)"
+OWNER_GONE = "SELECT IS_FREE_LOCK(%s)"
+LET_GO_OF_OWNER_LOCK = "SELECT RELEASE_LOCK(%s)"
 
 
 # --- outbox ------------------------------------------------------------------------------------

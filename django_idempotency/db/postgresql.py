@@ -15,7 +15,12 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 __all__ = [
     "NOW",
+    "HOLD_OWNER_LOCK",
+    "LET_GO_OF_OWNER_LOCK",
     "OUTBOX_KEY_LOCK_CLASS",
+    "OWNER_GONE",
+    "OWNER_LOCK_CLASS",
+    "with_owner_lock_released",
     "before_outbox_insert",
     "begin_outbox_claim",
     "claim_statement",
@@ -34,12 +39,44 @@ def now_plus(seconds: float) -> tuple[str, list[Any]]:
     return f"({NOW} + make_interval(secs => %s))", [float(seconds)]
 
 
-def claim_statement(table: str, column: Callable[[str], str], names: Sequence[str]) -> str:
+#: Class id of the owner locks, in the two-integer advisory lock space (apart from the
+#: outbox's key locks, and from an application's one-bigint locks).
+OWNER_LOCK_CLASS = 1_638_184_609
+
+#: True when no session holds the owner lock ``%(owner_lock)s``: the request that took it is
+#: gone. Taking the lock to test it, the statement gives it straight back.
+OWNER_GONE = (
+    f"SELECT CASE WHEN pg_try_advisory_lock({OWNER_LOCK_CLASS}, %(owner_lock)s) "
+    f"THEN pg_advisory_unlock({OWNER_LOCK_CLASS}, %(owner_lock)s) ELSE false END"
+)
+HOLD_OWNER_LOCK = f"pg_try_advisory_lock({OWNER_LOCK_CLASS}, %(owner_lock)s)"
+LET_GO_OF_OWNER_LOCK = f"pg_advisory_unlock({OWNER_LOCK_CLASS}, %(owner_lock)s)"
+
+
+def with_owner_lock_released(statement: str) -> str:
+    """``statement`` (an UPDATE or DELETE with ``RETURNING 1``, positional parameters) and the
+    owner lock's release, in one round trip: one more parameter, the lock id, comes last. The
+    result is the number of rows changed and the release's answer.
+
+    A session lock is released at once, even inside the business transaction: a duplicate that
+    finds it free before this transaction commits tries a takeover, which waits for this row
+    and then finds it completed, so it simply replays.
+    """
+    return (
+        f"WITH changed AS ({statement}) "
+        f"SELECT (SELECT count(*) FROM changed), pg_advisory_unlock({OWNER_LOCK_CLASS}, %s)"
+    )
+
+
+def claim_statement(
+    table: str, column: Callable[[str], str], names: Sequence[str], *, owner_lock: bool = False
+) -> str:
     """The claim as one statement: insert, take over, reuse an expired record, or read it.
 
     Parameters are named: one per inserted column in ``names`` but the times, which come from
-    ``NOW`` plus ``lease_seconds`` and ``expiry_seconds`` (see :func:`_value`). It returns the
-    record's row, whether this request claimed it, and the database time it judged by.
+    ``NOW`` plus ``lease_seconds`` and ``expiry_seconds`` (see :func:`_value`), and with
+    ``owner_lock``, the lock id. It returns the record's row, whether this request claimed it,
+    the database time it judged by, and whether a claim took its owner lock.
 
     A replay, a ``409`` and a ``422`` only *read*: ``INSERT ... ON CONFLICT DO NOTHING`` leaves an
     existing row alone without locking it, and the UPDATE finds nothing to change, so the
@@ -74,6 +111,7 @@ def claim_statement(table: str, column: Callable[[str], str], names: Sequence[st
         f"{column('created_at')} = CASE WHEN {expired} THEN {NOW} ELSE {col('created_at')} END"
     )
     key = f"{col('scope')} = %(scope)s AND {col('key')} = %(key)s"
+    held = HOLD_OWNER_LOCK if owner_lock else "false"
     return (
         f"WITH inserted AS ("
         f"INSERT INTO {table} ({', '.join(column(name) for name in names)}) "
@@ -84,9 +122,10 @@ def claim_statement(table: str, column: Callable[[str], str], names: Sequence[st
         f"UPDATE {table} SET {', '.join(assignments)} "
         f"WHERE {key} AND ({expired} OR {stale}) "
         f"RETURNING {table}.*, true AS claimed) "
-        f"SELECT *, {NOW} AS database_now FROM inserted UNION ALL "
-        f"SELECT *, {NOW} AS database_now FROM reclaimed UNION ALL "
-        f"SELECT {table}.*, false AS claimed, {NOW} AS database_now FROM {table} "
+        f"SELECT *, {NOW} AS database_now, {held} AS owner_lock FROM inserted UNION ALL "
+        f"SELECT *, {NOW} AS database_now, {held} AS owner_lock FROM reclaimed UNION ALL "
+        f"SELECT {table}.*, false AS claimed, {NOW} AS database_now, false AS owner_lock "
+        f"FROM {table} "
         f"WHERE {key} AND NOT EXISTS (SELECT 1 FROM inserted) "
         f"AND NOT EXISTS (SELECT 1 FROM reclaimed)"
     )

@@ -19,6 +19,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, cast
 
@@ -48,6 +49,7 @@ from django_idempotency.db import dialect, to_datetime
 from django_idempotency.db import postgresql as pg
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.querysets import expired_q, stale_q
+from django_idempotency.request import presence
 
 __all__ = ["CLAIM_ROUNDS", "claim", "complete", "database_alias", "extend", "release"]
 
@@ -77,12 +79,23 @@ def claim(identity: Identity, owner_token: uuid.UUID) -> Decision:
 
 
 def _decision(
-    record: IdempotencyRecord | None, identity: Identity, now: datetime
+    record: IdempotencyRecord | None, identity: Identity, now: datetime, using: str
 ) -> Verdict | Decision:
-    """The state machine's verdict, turned into a decision when it needs no write."""
-    verdict = judge(None if record is None else _state(record), identity.fingerprint, now)
+    """The state machine's verdict, turned into a decision when it needs no write.
+
+    A key held by a running lease is asked one more question where owners hold session locks
+    (``presence.py``): is its owner still there?
+    """
+    state = None if record is None else _state(record)
+    verdict = judge(state, identity.fingerprint, now)
     if record is None:
         return verdict
+    if (
+        verdict is Verdict.CONFLICT
+        and presence.enabled(using)
+        and presence.owner_gone(using, record.owner_token)
+    ):
+        verdict = judge(state, identity.fingerprint, now, owner_gone=True)
     if verdict is Verdict.REPLAY:
         return Replay(_stored(record))
     if verdict is Verdict.CONFLICT:
@@ -122,9 +135,12 @@ def _claim_portable(identity: Identity, using: str, owner_token: uuid.UUID) -> D
     REPEATABLE READ snapshot would otherwise hide a row another request just committed.
     """
     record, now = _read_with_time(identity, using)
-    verdict = _decision(record, identity, now)
+    verdict = _decision(record, identity, now, using)
     if not isinstance(verdict, Verdict):
         return verdict
+    if verdict is Verdict.TAKE_OVER_DEAD_OWNER:
+        assert record is not None
+        return _take_over_dead_owner(identity, using, owner_token, record, now)
     lease_expires_at = now + timedelta(seconds=conf.LEASE_SECONDS)
     values = {
         "fingerprint": identity.fingerprint,
@@ -146,7 +162,7 @@ def _claim_portable(identity: Identity, using: str, owner_token: uuid.UUID) -> D
                 )
         except IntegrityError:
             return None  # a concurrent request inserted it first: read it again
-        return Proceed(lease)
+        return Proceed(_holding(lease))
     takeover = verdict is Verdict.TAKE_OVER
     if takeover:
         lease = Lease(identity, owner_token, lease_expires_at, record.attempts + 1, using)
@@ -167,7 +183,46 @@ def _claim_portable(identity: Identity, using: str, owner_token: uuid.UUID) -> D
             completed_at=None,
         )
     )
-    return Proceed(lease) if updated == 1 else None
+    return Proceed(_holding(lease)) if updated == 1 else None
+
+
+def _holding(lease: Lease) -> Lease:
+    """The lease, with its owner lock taken where owners hold one (one more statement)."""
+    if not presence.enabled(lease.using):
+        return lease
+    return replace(lease, owner_lock=presence.hold(lease.using, lease.owner_token))
+
+
+def _take_over_dead_owner(
+    identity: Identity,
+    using: str,
+    owner_token: uuid.UUID,
+    record: IdempotencyRecord,
+    now: datetime,
+) -> Decision | None:
+    """Take over a key whose owner's session is gone, before its lease runs out.
+
+    Fenced on the owner token it had when judged: if that request completed or released the
+    key meanwhile, nothing changes and the claim looks again.
+    """
+    lease_expires_at = now + timedelta(seconds=conf.LEASE_SECONDS)
+    attempt = record.attempts + 1
+    updated = (
+        IdempotencyRecord.objects.using(using)
+        .filter(pk=record.pk, owner_token=record.owner_token, status=PROCESSING)
+        .filter(fingerprint=identity.fingerprint)
+        .update(
+            owner_token=owner_token,
+            lease_expires_at=lease_expires_at,
+            expires_at=lease_expires_at + timedelta(seconds=conf.TTL_SECONDS),
+            attempts=attempt,
+            method=identity.method,
+            path=identity.path,
+        )
+    )
+    if updated != 1:
+        return None
+    return Proceed(_holding(Lease(identity, owner_token, lease_expires_at, attempt, using)))
 
 
 def _read_with_time(identity: Identity, using: str) -> tuple[IdempotencyRecord | None, datetime]:
@@ -258,21 +313,27 @@ def _claim_postgresql(identity: Identity, using: str, owner_token: uuid.UUID) ->
     }
     params["lease_seconds"] = conf.LEASE_SECONDS
     params["expiry_seconds"] = conf.LEASE_SECONDS + conf.TTL_SECONDS
+    owner_lock = presence.enabled(using)
+    params["owner_lock"] = presence.lock_id(owner_token)
     # A plain cursor rather than .raw(): this runs on every write request, and building the row
     # by hand costs a fraction of RawQuerySet's column resolution.
     with connection.cursor() as cursor:
-        cursor.execute(_postgresql_claim_text(using), params)
+        cursor.execute(_postgresql_claim_text(using, owner_lock), params)
         row = cursor.fetchone()
         names = [column.name for column in cursor.description or ()]
     if row is None:
         return None
-    *columns, claimed, now = row
-    record = IdempotencyRecord.from_db(using, names[:-2], columns)
+    *columns, claimed, now, held = row
+    record = IdempotencyRecord.from_db(using, names[:-3], columns)
     if claimed:
         assert record.lease_expires_at is not None  # a claimed record always has a lease
-        lease = Lease(identity, owner_token, record.lease_expires_at, record.attempts, using)
+        lease = Lease(
+            identity, owner_token, record.lease_expires_at, record.attempts, using, bool(held)
+        )
         return Proceed(lease)
-    decision = _decision(record, identity, now)
+    decision = _decision(record, identity, now, using)
+    if decision is Verdict.TAKE_OVER_DEAD_OWNER:
+        return _take_over_dead_owner(identity, using, owner_token, record, now)
     # A verdict to claim means the row changed after this statement's snapshot: look again.
     return None if isinstance(decision, Verdict) else decision
 
@@ -287,11 +348,14 @@ _CLAIM_COLUMNS = (
 
 
 @functools.lru_cache(maxsize=16)
-def _postgresql_claim_text(using: str) -> str:
+def _postgresql_claim_text(using: str, owner_lock: bool) -> str:
     """The claim statement; its text depends only on the connection, so it is built once."""
     quote = connections[using].ops.quote_name
     return pg.claim_statement(
-        quote(IdempotencyRecord._meta.db_table), lambda name: quote(_column(name)), _CLAIM_COLUMNS
+        quote(IdempotencyRecord._meta.db_table),
+        lambda name: quote(_column(name)),
+        _CLAIM_COLUMNS,
+        owner_lock=owner_lock,
     )
 
 
@@ -327,16 +391,38 @@ def extend(lease: Lease) -> bool:
 
 
 def release(lease: Lease) -> bool:
-    """Delete the record if this request still owns it (PROCESSING, our owner token).
+    """Delete the record if this request still owns it (PROCESSING, our owner token), and let
+    go of its owner lock.
 
     Database errors propagate; the caller decides whether a failed release matters.
     """
+    connection = connections[lease.using]
+    if lease.owner_lock and connection.vendor == "postgresql":
+        quote = connection.ops.quote_name
+        statement = pg.with_owner_lock_released(
+            f"DELETE FROM {quote(IdempotencyRecord._meta.db_table)} "
+            f"WHERE {quote(_column('scope'))} = %s AND {quote(_column('key'))} = %s "
+            f"AND {quote(_column('owner_token'))} = %s AND {quote(_column('status'))} = %s "
+            f"RETURNING 1"
+        )
+        params = [
+            lease.identity.scope,
+            lease.identity.key,
+            _field("owner_token").get_db_prep_save(lease.owner_token, connection),
+            PROCESSING,
+            presence.lock_id(lease.owner_token),
+        ]
+        with connection.cursor() as cursor:
+            cursor.execute(statement, params)
+            return bool(cursor.fetchone()[0])
     deleted, _ = (
         IdempotencyRecord.objects.using(lease.using)
         .for_key(lease.identity.scope, lease.identity.key)
         .filter(owner_token=lease.owner_token, status=PROCESSING)
         .delete()
     )
+    if lease.owner_lock:
+        presence.let_go(lease.using, lease.owner_token)
     return bool(deleted)
 
 
@@ -356,9 +442,22 @@ def _update_owned(lease: Lease, values: dict[str, Any], *, completed: bool) -> i
         _field("owner_token").get_db_prep_save(lease.owner_token, connection),
         PROCESSING,
     ]
+    release_lock = completed and lease.owner_lock
+    postgresql = connection.vendor == "postgresql"
     with connection.cursor() as cursor:
-        cursor.execute(_update_owned_sql(lease.using, tuple(values), completed), params)
-        return int(cursor.rowcount)
+        sql = _update_owned_sql(lease.using, tuple(values), completed)
+        if release_lock and postgresql:
+            # One round trip: the completion, and the owner lock let go.
+            cursor.execute(
+                pg.with_owner_lock_released(f"{sql} RETURNING 1"),
+                [*params, presence.lock_id(lease.owner_token)],
+            )
+            return int(cursor.fetchone()[0])
+        cursor.execute(sql, params)
+        updated = int(cursor.rowcount)
+    if release_lock:
+        presence.let_go(lease.using, lease.owner_token)
+    return updated
 
 
 @functools.lru_cache(maxsize=32)

@@ -126,7 +126,9 @@ def kill_worker_mid_request(
 def test_worker_killed_mid_request_loses_nothing_and_its_key_is_taken_over(
     private_postgres: PrivatePostgres, serve: Serve, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with serve(workers=4, IDEMPOTENCY_TEST_LEASE_SECONDS=LEASE_SECONDS) as server:
+    # A long lease: a key recovered well inside it was taken over because its owner was gone.
+    lease = "20"
+    with serve(workers=4, IDEMPOTENCY_TEST_LEASE_SECONDS=lease) as server:
         config = _start(server.port, slow_fraction=0.2, slow_seconds=1.0)
         kills, early = [], []
         with Load(config) as load:
@@ -134,7 +136,9 @@ def test_worker_killed_mid_request_loses_nothing_and_its_key_is_taken_over(
                 sleep_until(config.start_at + offset)
                 kill = kill_worker_mid_request(private_postgres, server, config.prefix)
                 kills.append(kill)
-                # The dead request still holds the key: a retry now is told to come back later.
+                # The dead request's session lock went with its connection: a retry now takes
+                # the key over (or, if PostgreSQL has not yet noticed the closed socket, is told
+                # to come back within the lease).
                 early.append(post(server.port, kill.key, *config.request_for(kill.key), "early"))
             outcomes = load.results()
         workers_after = server.worker_pids()
@@ -154,14 +158,19 @@ def test_worker_killed_mid_request_loses_nothing_and_its_key_is_taken_over(
     assert len(workers_after) == 4
     assert not {kill.pid for kill in kills} & set(workers_after)
     for answer in early:
-        assert answer.status == 409, answer.body
-        assert 1 <= int(answer.retry_after or 0) <= float(LEASE_SECONDS), answer.retry_after
+        assert answer.status in (201, 409), answer.body
+        if answer.status == 409:
+            assert 1 <= int(answer.retry_after or 0) <= float(lease), answer.retry_after
+    recovered = []
     for kill in kills:
         final = next(o for o in everything if o.key == kill.key and o.ok)
-        # The retry took the dead request's key over once its lease ran out.
+        # A retry took the dead request's key over (attempt 2) because its owner was gone,
+        # not because its lease ran out.
         assert final.json()["attempt"] == 2, final.body
         assert final.replay == "false"
-        assert final.finished - kill.at >= float(LEASE_SECONDS) - 1
+        recovered.append(round(final.finished - kill.at, 2))
+    print(f"\nkilled keys taken over after (s): {recovered}; lease {lease} s")
+    assert all(seconds < float(lease) / 2 for seconds in recovered), recovered
 
 
 # --- PostgreSQL restarted ----------------------------------------------------------------------
