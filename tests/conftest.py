@@ -6,12 +6,18 @@ from typing import Any
 
 import pytest
 from django.conf import settings
+from hypothesis import settings as hypothesis_settings
 from rest_framework.test import APIClient
 
 from django_idempotency import signals
 from django_idempotency.request import cache
 from tests.backends import service_url
 from tests.testapp import views
+
+# No time limit per example: on a shared 2-core machine a database round trip may take longer
+# than hypothesis's default 200 ms for reasons that have nothing to do with the code under test.
+hypothesis_settings.register_profile("shared-machine", deadline=None)
+hypothesis_settings.load_profile("shared-machine")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
