@@ -13,7 +13,7 @@ from rest_framework.test import APIRequestFactory
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.request import lifecycle
 from django_idempotency.request.fingerprint import request_fingerprint
-from tests.factories import UserFactory, age_record
+from tests.factories import UserFactory, age_record, held_elsewhere
 from tests.testapp.models import Widget
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -275,16 +275,16 @@ def test_tenants_never_see_each_others_responses(client, key):
 
 
 def test_takeover_after_the_lease_runs_the_request_once_more(client, key):
-    # A request that died mid-view leaves a PROCESSING record and no business row.
+    # A request still running somewhere else holds the key; then it dies, leaving a PROCESSING
+    # record and no business row, and its lease runs out.
     request = APIRequestFactory().post(URL, {"name": "w"}, format="json")
-    lifecycle.claim(
-        lifecycle.identify(
-            request, key, scope="anonymous", fingerprint=request_fingerprint(request)
-        )
+    ident = lifecycle.identify(
+        request, key, scope="anonymous", fingerprint=request_fingerprint(request)
     )
-    assert post(client, key).status_code == 409
-    age_record("anonymous", key, 31)
-    response = post(client, key)
+    with held_elsewhere(ident):
+        assert post(client, key).status_code == 409
+        age_record("anonymous", key, 31)
+        response = post(client, key)
     assert response.status_code == 201
     assert json.loads(response.content)["attempt"] == 2
     assert Widget.objects.count() == 1

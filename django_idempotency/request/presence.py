@@ -69,6 +69,11 @@ def hold(using: str, owner_token: uuid.UUID) -> bool:
 
 
 def let_go(using: str, owner_token: uuid.UUID) -> None:
-    """Release this claim's lock (MariaDB; PostgreSQL releases it in the completing statement)."""
-    with connections[using].cursor() as cursor:
-        cursor.execute(mysql.LET_GO_OF_OWNER_LOCK, [lock_name(owner_token)])
+    """Release this claim's lock (on PostgreSQL the completing statement usually does it)."""
+    connection = connections[using]
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            statement = f"SELECT {postgresql.LET_GO_OF_OWNER_LOCK}"
+            cursor.execute(statement, {"owner_lock": lock_id(owner_token)})
+        else:
+            cursor.execute(mysql.LET_GO_OF_OWNER_LOCK, [lock_name(owner_token)])

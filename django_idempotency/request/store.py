@@ -19,7 +19,6 @@ import json
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, cast
 
@@ -153,44 +152,70 @@ def _claim_portable(identity: Identity, using: str, owner_token: uuid.UUID) -> D
         # key whose client never came back.
         "expires_at": lease_expires_at + timedelta(seconds=conf.TTL_SECONDS),
     }
-    lease = Lease(identity, owner_token, lease_expires_at, attempt=1, using=using)
-    if record is None:
-        try:
-            with _statement_savepoint(using):
-                IdempotencyRecord.objects.using(using).create(
-                    scope=identity.scope, key=identity.key, created_at=now, **values
-                )
-        except IntegrityError:
-            return None  # a concurrent request inserted it first: read it again
-        return Proceed(_holding(lease))
     takeover = verdict is Verdict.TAKE_OVER
-    if takeover:
-        lease = Lease(identity, owner_token, lease_expires_at, record.attempts + 1, using)
-    # Fenced on the record being as we judged it: same owner, and still absent or stale by the
-    # same rules, so a request that completed or took it over meanwhile is never overwritten.
-    updated = (
-        IdempotencyRecord.objects.using(using)
-        .filter(pk=record.pk, owner_token=record.owner_token)
-        .filter(stale_q(now, identity.fingerprint) if takeover else expired_q(now))
-        .update(
-            **values,
-            attempts=lease.attempt,
-            created_at=record.created_at if takeover else now,
-            response_status=None,
-            response_headers=[],
-            response_body=None,
-            response_retained=True,
-            completed_at=None,
-        )
+    attempt = record.attempts + 1 if record is not None and takeover else 1
+    with _owner_lock(using, owner_token) as held:
+        if record is None:
+            try:
+                with _statement_savepoint(using):
+                    IdempotencyRecord.objects.using(using).create(
+                        scope=identity.scope, key=identity.key, created_at=now, **values
+                    )
+            except IntegrityError:
+                return None  # a concurrent request inserted it first: read it again
+        else:
+            # Fenced on the record being as we judged it: same owner, and still absent or stale
+            # by the same rules, so a request that completed or took it over meanwhile is never
+            # overwritten.
+            updated = (
+                IdempotencyRecord.objects.using(using)
+                .filter(pk=record.pk, owner_token=record.owner_token)
+                .filter(stale_q(now, identity.fingerprint) if takeover else expired_q(now))
+                .update(
+                    **values,
+                    attempts=attempt,
+                    created_at=record.created_at if takeover else now,
+                    response_status=None,
+                    response_headers=[],
+                    response_body=None,
+                    response_retained=True,
+                    completed_at=None,
+                )
+            )
+            if updated != 1:
+                return None
+        held.keep()
+    return Proceed(
+        Lease(identity, owner_token, lease_expires_at, attempt, using, owner_lock=held.taken)
     )
-    return Proceed(_holding(lease)) if updated == 1 else None
 
 
-def _holding(lease: Lease) -> Lease:
-    """The lease, with its owner lock taken where owners hold one (one more statement)."""
-    if not presence.enabled(lease.using):
-        return lease
-    return replace(lease, owner_lock=presence.hold(lease.using, lease.owner_token))
+class _HeldLock:
+    """An owner lock taken before the write that names its owner; let go unless kept."""
+
+    def __init__(self, taken: bool) -> None:
+        self.taken = taken
+        self.kept = False
+
+    def keep(self) -> None:
+        self.kept = True
+
+
+@contextmanager
+def _owner_lock(using: str, owner_token: uuid.UUID) -> Iterator[_HeldLock]:
+    """Take this claim's owner lock *before* the write that makes the record name it.
+
+    Taken after, there would be a moment when a duplicate sees the new owner's running lease
+    and a free lock, and takes the key over from a request that is alive. (The PostgreSQL
+    claim statement takes it in the same statement as its write, so it is held before the row
+    is visible.) The lock is let go again if the claim does not win.
+    """
+    held = _HeldLock(presence.enabled(using) and presence.hold(using, owner_token))
+    try:
+        yield held
+    finally:
+        if held.taken and not held.kept:
+            presence.let_go(using, owner_token)
 
 
 def _take_over_dead_owner(
@@ -207,22 +232,26 @@ def _take_over_dead_owner(
     """
     lease_expires_at = now + timedelta(seconds=conf.LEASE_SECONDS)
     attempt = record.attempts + 1
-    updated = (
-        IdempotencyRecord.objects.using(using)
-        .filter(pk=record.pk, owner_token=record.owner_token, status=PROCESSING)
-        .filter(fingerprint=identity.fingerprint)
-        .update(
-            owner_token=owner_token,
-            lease_expires_at=lease_expires_at,
-            expires_at=lease_expires_at + timedelta(seconds=conf.TTL_SECONDS),
-            attempts=attempt,
-            method=identity.method,
-            path=identity.path,
+    with _owner_lock(using, owner_token) as held:
+        updated = (
+            IdempotencyRecord.objects.using(using)
+            .filter(pk=record.pk, owner_token=record.owner_token, status=PROCESSING)
+            .filter(fingerprint=identity.fingerprint)
+            .update(
+                owner_token=owner_token,
+                lease_expires_at=lease_expires_at,
+                expires_at=lease_expires_at + timedelta(seconds=conf.TTL_SECONDS),
+                attempts=attempt,
+                method=identity.method,
+                path=identity.path,
+            )
         )
+        if updated != 1:
+            return None
+        held.keep()
+    return Proceed(
+        Lease(identity, owner_token, lease_expires_at, attempt, using, owner_lock=held.taken)
     )
-    if updated != 1:
-        return None
-    return Proceed(_holding(Lease(identity, owner_token, lease_expires_at, attempt, using)))
 
 
 def _read_with_time(identity: Identity, using: str) -> tuple[IdempotencyRecord | None, datetime]:
