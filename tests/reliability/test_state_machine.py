@@ -50,7 +50,7 @@ from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import sweeps
 from django_idempotency.querysets import COMPLETED, PROCESSING
-from django_idempotency.request import lifecycle, store
+from django_idempotency.request import lifecycle, presence, store
 from tests.reliability.corpus import bounded
 from tests.testapp.models import Widget
 
@@ -131,6 +131,8 @@ class Slot:
     life: int = 0
     #: Owner tokens whose effect committed, with the life each committed in.
     committed: list[tuple[int, uuid.UUID]] = field(default_factory=list)
+    #: The worker whose session holds the running owner's lock (owner locks on PostgreSQL).
+    holder: int | None = None
 
     def claimable(self) -> bool:
         return self.state == "absent" or (
@@ -176,8 +178,12 @@ class LeaseMachine(RuleBasedStateMachine):
         scope, key = slot
         return IdempotencyRecord.objects.filter(scope=scope, key=f"{self.prefix}-{key}")
 
-    def expect_claim(self, slot: tuple[str, str], fingerprint: str) -> str:
-        """The decision the model predicts, and the model's new state if it is a claim."""
+    def expect_claim(self, slot: tuple[str, str], fingerprint: str, worker: int | None) -> str:
+        """The decision the model predicts, and the model's new state if it is a claim.
+
+        With owner locks, a running lease held by the claiming worker's own session counts as
+        an owner that is gone: one session never runs two requests at once.
+        """
         model = self.slots[slot]
         if model.claimable():
             return "fresh"
@@ -186,11 +192,16 @@ class LeaseMachine(RuleBasedStateMachine):
         if model.state == COMPLETED:
             return "replay"
         if not model.lease_expired:
+            if worker is not None and worker == model.holder and presence.enabled("default"):
+                return "takeover"
             return "conflict"
         return "takeover"
 
-    def claimed(self, slot: tuple[str, str], lease: types.Lease, expected: str) -> None:
+    def claimed(
+        self, slot: tuple[str, str], lease: types.Lease, expected: str, worker: int
+    ) -> None:
         model = self.slots[slot]
+        model.holder = worker
         if expected == "fresh":
             model.life += 1
             model.attempts = 1
@@ -203,12 +214,12 @@ class LeaseMachine(RuleBasedStateMachine):
         assert lease.attempt == model.attempts, (lease.attempt, model.attempts)
 
     def check_decision(
-        self, slot: tuple[str, str], decision: types.Decision, expected: str
+        self, slot: tuple[str, str], decision: types.Decision, expected: str, worker: int
     ) -> types.Lease | None:
         self.stats[f"claim:{expected}"] += 1
         if expected in ("fresh", "takeover"):
             assert isinstance(decision, types.Proceed), (expected, decision)
-            self.claimed(slot, decision.lease, expected)
+            self.claimed(slot, decision.lease, expected, worker)
             return decision.lease
         if expected == "replay":
             assert isinstance(decision, types.Replay), (expected, decision)
@@ -230,16 +241,18 @@ class LeaseMachine(RuleBasedStateMachine):
         worker=st.integers(0, WORKERS - 1),
     )
     def claim(self, slot: tuple[str, str], fingerprint: str, worker: int) -> Any:
-        expected = self.expect_claim(slot, fingerprint)
+        expected = self.expect_claim(slot, fingerprint, worker)
         ident = self.identity(slot, fingerprint)
         decision = self.workers[worker].call(lambda: lifecycle.claim(ident))
-        lease = self.check_decision(slot, decision, expected)
+        lease = self.check_decision(slot, decision, expected, worker)
         return multiple() if lease is None else Held(lease, worker)
 
     @rule(target=leases, slot=st.sampled_from(SLOTS), fingerprint=st.sampled_from(FINGERPRINTS))
     def race(self, slot: tuple[str, str], fingerprint: str) -> Any:
-        """Every worker claims the same key at the same instant: one may run, at most."""
-        expected = self.expect_claim(slot, fingerprint)
+        """Every worker claims the same key at the same instant: one may run, at most. (With
+        owner locks, a running lease's own worker is the one that may: its session is free.)"""
+        holder = self.slots[slot].holder
+        expected = self.expect_claim(slot, fingerprint, holder)
         ident = self.identity(slot, fingerprint)
         barrier = threading.Barrier(WORKERS)
 
@@ -254,13 +267,15 @@ class LeaseMachine(RuleBasedStateMachine):
         if expected in ("fresh", "takeover"):
             assert len(winners) == 1, decisions
             index, won = winners[0]
-            self.check_decision(slot, won, expected)
+            if expected == "takeover" and not self.slots[slot].lease_expired:
+                assert index == holder, (index, holder, decisions)
+            self.check_decision(slot, won, expected, index)
             for other in decisions:
                 if other is not won:  # the others find the winner's running lease
                     assert isinstance(other, types.Conflict), decisions
             return Held(won.lease, index)
-        for decision in decisions:
-            self.check_decision(slot, decision, expected)
+        for index, decision in enumerate(decisions):
+            self.check_decision(slot, decision, expected, index)
         return multiple()
 
     @rule(held=consumes(leases))
@@ -328,11 +343,11 @@ class LeaseMachine(RuleBasedStateMachine):
         worker = data.draw(st.integers(0, WORKERS - 1))
         fingerprint = self.slots[slot].fingerprint
         assert fingerprint is not None
-        expected = self.expect_claim(slot, fingerprint)
+        expected = self.expect_claim(slot, fingerprint, worker)
         assert expected in ("takeover", "fresh"), expected
         ident = self.identity(slot, fingerprint)
         decision = self.workers[worker].call(lambda: lifecycle.claim(ident))
-        lease = self.check_decision(slot, decision, expected)
+        lease = self.check_decision(slot, decision, expected, worker)
         assert lease is not None
         return Held(lease, worker)
 
@@ -371,10 +386,10 @@ class LeaseMachine(RuleBasedStateMachine):
         worker = data.draw(st.integers(0, WORKERS - 1))
         fingerprint = self.slots[slot].fingerprint
         assert fingerprint is not None
-        expected = self.expect_claim(slot, fingerprint)
+        expected = self.expect_claim(slot, fingerprint, worker)
         ident = self.identity(slot, fingerprint)
         decision = self.workers[worker].call(lambda: lifecycle.claim(ident))
-        assert self.check_decision(slot, decision, expected) is None or expected == "fresh"
+        assert self.check_decision(slot, decision, expected, worker) is None or expected == "fresh"
         if isinstance(decision, types.Proceed):  # the TTL was over: release what we took
             self.workers[worker].call(lambda: store.release(decision.lease))
             self.slots[slot] = Slot(
