@@ -96,8 +96,8 @@ class IdempotencyMixin(_Base):
         """Authenticate, claim the key, then DRF's own checks; a replay skips those checks.
 
         Authentication comes first because it decides the key's scope. A replay is the caller's
-        own stored answer: it is sent at once, without DRF's content negotiation, permission and
-        throttle checks (``idempotency_recheck_replays = True`` runs them first). A request
+        own stored answer: it is sent at once, without DRF's permission and throttle checks
+        (``idempotency_recheck_replays = True`` runs them first). A request
         that claimed its key and is then refused by a permission or a throttle gives the key
         back, so nothing is stored for it.
         """
@@ -109,6 +109,12 @@ class IdempotencyMixin(_Base):
         if handler is None or not lifecycle.guards(request._request, options):
             super().initial(request, *args, **kwargs)
             return
+        # Content negotiation first, as DRF's own initial() does it: every answer from here on,
+        # a replay or an error such as an unparseable body, is rendered with its result.
+        self.format_kwarg = self.get_format_suffix(**kwargs)
+        request.accepted_renderer, request.accepted_media_type = self.perform_content_negotiation(
+            request
+        )
         # Read the body now, before an authentication or permission class can consume the
         # stream, so the fingerprint sees exactly what the handler will.
         prepare_body(request._request)
