@@ -37,6 +37,7 @@ from tests.factories import (
     IdempotencyRecordFactory,
     OutboxEventFactory,
     ProcessedMessageFactory,
+    held_elsewhere,
 )
 from tests.reliability.corpus import PRINTABLE, bounded
 from tests.testapp.hostile_views import LEAKY_HEADERS
@@ -436,11 +437,11 @@ def exercise_every_keyed_log_line(key: str) -> None:
     running = lifecycle.identify(
         request, f"{key}-2", scope="anonymous", fingerprint=request_fingerprint(request)
     )
-    lease = lifecycle.claim(running)
-    assert isinstance(lease, types.Proceed)
-    assert post(f"{key}-2") == 409  # conflict
-    _expire_lease(running)
-    assert post(f"{key}-2") == 201  # takeover
+    with held_elsewhere(running) as lease:  # a request still running on another connection
+        assert isinstance(lease, types.Proceed)
+        assert post(f"{key}-2") == 409  # conflict
+        _expire_lease(running)
+        assert post(f"{key}-2") == 201  # takeover
     lost = lifecycle.identify(request, f"{key}-3", scope="anonymous", fingerprint="0" * 64)
     stale = lifecycle.claim(lost)
     assert isinstance(stale, types.Proceed)
