@@ -67,14 +67,15 @@ def test_the_howto_works_as_written(tmp_path: Path, amqp_url: str) -> None:
                 PAGE_BROKER: amqp_url,
             }
             follow(page_steps, reader, PAGE)
-            wait_for_relay(reader)
 
-            # Behind the page's back: an interval changed in the admin survives beat's restart.
+            # Behind the page's back: an interval changed in the admin survives beat's restart,
+            # and beat and the worker relay by it.
             reader.shell(CHANGE_IN_THE_ADMIN)
             (*_, last_beat) = (step for step in page_steps if step.action == "start")
             reader.start(
                 "beat", last_beat.body, ready="Sending due task django-idempotency-relay-outbox"
             )
+            wait_for_relay(reader)
             assert reader.shell(READ_THE_ENTRY).strip() == "2 seconds 1"
     finally:
         with Connection(amqp_url) as connection:
