@@ -347,6 +347,13 @@ def test_with_the_database_scheduler_an_interval_changed_in_the_admin_survives_a
     assert message.properties["expiration"] == "1000"  # the expiry set in the admin
     assert kept.count(": kept (as it is in the database)") == len(BEAT_SCHEDULE), kept
     assert shell(beat_project, READ_THE_ENTRY) == "2 seconds 1"
+    # --reset puts the shipped values back (not with --dry-run).
+    would = manage(beat_project, "idempotency_periodic_tasks", "--reset", "--dry-run").stdout
+    assert f"{RELAY_ENTRY}: would be reset (every 10 s, expires after 9 s)" in would
+    assert shell(beat_project, READ_THE_ENTRY) == "2 seconds 1"
+    reset = manage(beat_project, "idempotency_periodic_tasks", "--reset").stdout
+    assert reset.count(": reset (every") == len(BEAT_SCHEDULE), reset
+    assert shell(beat_project, READ_THE_ENTRY) == "10 seconds 9"
 
 
 def test_with_the_database_scheduler_the_setting_overwrites_the_admin_at_every_start(
