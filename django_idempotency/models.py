@@ -217,6 +217,39 @@ class OutboxEvent(models.Model):
         blank=True,
         help_text=_("When the broker accepted the event."),
     )
+    # The failure columns are nullable with no default, like traceparent: adding them never
+    # rewrites the table. NULL while the event is not failing.
+    failure_fingerprint = models.CharField(  # noqa: DJ001
+        _("failure fingerprint"),
+        max_length=32,  # outbox.failures.FINGERPRINT_LENGTH
+        null=True,
+        blank=True,
+        help_text=_(
+            "Hash of the last error with ids, numbers and timestamps normalised away: the "
+            "failure group the admin lists the event in. Empty once published or retried."
+        ),
+    )
+    failing_since = models.DateTimeField(
+        _("failing since"),
+        null=True,
+        blank=True,
+        help_text=_("When the event first failed with its current failure fingerprint."),
+    )
+    last_failed_at = models.DateTimeField(
+        _("last failed at"),
+        null=True,
+        blank=True,
+        help_text=_("When the latest attempt to publish the event failed."),
+    )
+    failure_traceback = models.TextField(  # noqa: DJ001
+        _("failure traceback"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "Where the latest failure was raised: its frames, bounded in size; the messages "
+            "of the exceptions it was raised from are not stored."
+        ),
+    )
 
     objects = OutboxEventQuerySet.as_manager()
 
@@ -242,6 +275,12 @@ class OutboxEvent(models.Model):
             ),
             # The sweep of published events past OUTBOX_RETENTION_SECONDS.
             models.Index(fields=["status", "published_at"], name="django_idem_outbox_sweep_idx"),
+            # Failure groups: grouping reads only the entries of failing events (the others are
+            # NULL), a group's events are one range, and its newest failure is the range's end.
+            models.Index(
+                fields=["failure_fingerprint", "last_failed_at"],
+                name="django_idem_outbox_failure_idx",
+            ),
         ]
 
     def __str__(self) -> str:

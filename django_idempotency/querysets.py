@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import models
-from django.db.models import Q
+from django.db.models import Count, F, Max, Min, Q
 from django.utils import timezone
 
 from django_idempotency.core import statemachine
@@ -183,6 +184,35 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
 
     def in_relay_order(self) -> OutboxEventQuerySet:
         return self.order_by(*RELAY_ORDER)
+
+    def in_failure_group(self, fingerprint: str) -> OutboxEventQuerySet:
+        """The failed events of one failure group (see ``outbox/failures.py``)."""
+        return self.failed().filter(failure_fingerprint=fingerprint)
+
+    def failure_groups(self) -> models.QuerySet[OutboxEvent, Mapping[str, Any]]:
+        """One row per failure group among the failed events here, seen most recently first.
+
+        Each row: ``failure_fingerprint``; ``events`` and ``dead`` (how many of them are DEAD,
+        the others wait for a retry); ``topics`` (how many) and ``topic`` (the first by name);
+        ``first_seen`` (the earliest ``failing_since``) and ``last_seen`` (the latest
+        ``last_failed_at``), None for events fingerprinted by the upgrade, whose failure time
+        is unknown. Reads the failure index's entries of failing events only, however large
+        the table.
+        """
+        return (
+            self.failed()
+            .filter(failure_fingerprint__isnull=False)
+            .values("failure_fingerprint")
+            .annotate(
+                events=Count("pk"),
+                dead=Count("pk", filter=Q(status=OutboxStatus.DEAD)),
+                topics=Count("topic", distinct=True),
+                topic=Min("topic"),
+                first_seen=Min("failing_since"),
+                last_seen=Max("last_failed_at"),
+            )
+            .order_by(F("last_seen").desc(nulls_last=True), "failure_fingerprint")
+        )
 
 
 class OutboxKeyLockQuerySet(models.QuerySet["OutboxKeyLock"]):

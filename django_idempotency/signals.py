@@ -14,6 +14,8 @@ __all__ = [
     "event_dead",
     "event_enqueued",
     "event_published",
+    "events_discarded",
+    "events_retried",
     "fast_path_failed",
     "key_claimed",
     "key_released",
@@ -81,6 +83,16 @@ publish_failed = Signal()
 #: An event failed ``OUTBOX_MAX_ATTEMPTS`` times and waits for a person (``retry_dead``).
 #: kwargs: ``event``, ``error``.
 event_dead = Signal()
+
+#: An operator retried failed events (an admin action, ``operations.retry_events`` or
+#: ``retry_failure_group``); sent once the last batch committed, also when none changed.
+#: kwargs: ``count`` (events queued again), ``failure_group`` (the group's fingerprint, or None
+#: for a selection of events).
+events_retried = Signal()
+
+#: An operator discarded failed events, as for ``events_retried``. kwargs: ``count`` (events
+#: deleted), ``failure_group``.
+events_discarded = Signal()
 
 # --- Layer 2: idempotent consumers. Sent with ``sender`` = ProcessedMessage. -------------------
 
