@@ -194,9 +194,9 @@ def main() -> None:
     from django.test import Client
     from django.urls import reverse
 
+    from django_idempotency.core.failures import fingerprint_of
     from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
     from django_idempotency.operations import health
-    from django_idempotency.outbox.failures import fingerprint_of
 
     call_command("migrate", verbosity=0)
     fill(IdempotencyRecord._meta.db_table, FILL_SQL, [args.rows], args.rows, args.refill)

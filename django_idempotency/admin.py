@@ -38,13 +38,20 @@ from django.utils.translation import gettext_lazy as _
 
 from django_idempotency import operations
 from django_idempotency.conf import conf
+from django_idempotency.core.failures import FINGERPRINT_LENGTH, normalise
 from django_idempotency.db import database_now
-from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
+from django_idempotency.inbox.operator import forget_failed_messages
+from django_idempotency.models import (
+    FailedMessage,
+    IdempotencyRecord,
+    OutboxEvent,
+    ProcessedMessage,
+)
 from django_idempotency.operations import health
 from django_idempotency.operations.actions import ReleaseResult, release_records
-from django_idempotency.outbox.failures import FINGERPRINT_LENGTH, normalise
 from django_idempotency.querysets import (
     PROCESSING,
+    FailedMessageQuerySet,
     OutboxEventQuerySet,
     OutboxStatus,
     lease_expired_q,
@@ -56,6 +63,8 @@ __all__ = [
     "EstimatingPaginator",
     "ExpiredFilter",
     "FailedFilter",
+    "FailedMessageAdmin",
+    "FailedMessageGroup",
     "FailureGroup",
     "FailureGroupFilter",
     "GROUPS_PER_PAGE",
@@ -640,13 +649,17 @@ _FINGERPRINT = re.compile(rf"[0-9a-f]{{{FINGERPRINT_LENGTH}}}")
 _GROUP_STATES = ("dead", "retrying")
 
 
-def newest_failure(events: OutboxEventQuerySet, fingerprint: str) -> dict[str, Any] | None:
-    """The group's most recent failure: one probe at the end of the group's index range."""
-    group = events.in_failure_group(fingerprint)
-    fields = ("pk", "event_id", "topic", "last_error", "failure_traceback", "last_failed_at")
+def newest_failure(
+    rows: OutboxEventQuerySet | FailedMessageQuerySet, fingerprint: str
+) -> dict[str, Any] | None:
+    """The group's most recent failure (an event's or a message's): one probe at the end of the
+    group's range of the failure index."""
+    group = rows.in_failure_group(fingerprint)
+    fields = ["pk", "last_error", "failure_traceback", "last_failed_at"]
+    fields += ["event_id", "topic"] if group.model is OutboxEvent else ["consumer", "message_id"]
     newest = group.filter(last_failed_at__isnull=False).order_by("-last_failed_at")
-    for rows in (newest, group.order_by("-pk")):  # the latter: fingerprinted by the upgrade
-        row: dict[str, Any] | None = rows.values(*fields).first()
+    for candidates in (newest, group.order_by("-pk")):  # the latter: fingerprinted by the upgrade
+        row: dict[str, Any] | None = candidates.values(*fields).first()
         if row is not None:
             return row
     return None
@@ -697,6 +710,21 @@ class FailureGroup:
     @property
     def retrying(self) -> int:
         return self.events - self.dead
+
+
+@dataclass(frozen=True, slots=True)
+class FailedMessageGroup:
+    """A row of the failure groups page's consumers section."""
+
+    fingerprint: str
+    signature: str
+    messages: int
+    consumers: int
+    #: The first consumer by name (the only one when ``consumers`` is 1).
+    consumer: str
+    first_seen: datetime | None
+    last_seen: datetime | None
+    newest: Mapping[str, Any]
 
 
 class OutboxEventAdmin(OperationsAdmin):
@@ -907,6 +935,7 @@ class OutboxEventAdmin(OperationsAdmin):
                 groups.append(self.group_row(group, topic, state, now))
         filters = {"topic": topic, "state": state}
         context = {
+            **self.failed_message_groups(request, now),
             **self.admin_site.each_context(request),
             "opts": self.opts,
             "title": gettext("Failure groups"),
@@ -929,6 +958,45 @@ class OutboxEventAdmin(OperationsAdmin):
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/django_idempotency/failure_groups.html", context)
+
+    def failed_message_groups(self, request: HttpRequest, now: datetime) -> dict[str, Any]:
+        """The consumers' section: failed messages by failure group, for those who may see
+        them (the section is left out where ``FailedMessage`` has no admin on this site)."""
+        if not self.admin_site.is_registered(FailedMessage):
+            return {"message_groups": None}
+        messages_admin = self.admin_site.get_model_admin(FailedMessage)
+        if not messages_admin.has_view_or_change_permission(request):
+            return {"message_groups": None}
+        changelist = reverse(f"{self.admin_site.name}:django_idempotency_failedmessage_changelist")
+        failed = FailedMessage.objects.all()
+        groups = []
+        for row in failed.failure_groups()[:GROUPS_PER_PAGE]:
+            newest = newest_failure(failed, row["failure_fingerprint"])
+            if newest is None:
+                continue
+            group = FailedMessageGroup(
+                fingerprint=row["failure_fingerprint"],
+                signature=normalise(newest["last_error"]),
+                messages=row["messages"],
+                consumers=row["consumers"],
+                consumer=row["consumer"],
+                first_seen=row["first_seen"],
+                last_seen=row["last_seen"],
+                newest=newest,
+            )
+            groups.append(
+                {
+                    "group": group,
+                    "first_seen": health.elapsed(group.first_seen, now),
+                    "last_seen": health.elapsed(group.last_seen, now),
+                    "messages_url": f"{changelist}?{urlencode({'failure': group.fingerprint})}",
+                    "newest_url": reverse(
+                        f"{self.admin_site.name}:django_idempotency_failedmessage_change",
+                        args=[newest["pk"]],
+                    ),
+                }
+            )
+        return {"message_groups": groups, "failed_messages_url": changelist}
 
     @staticmethod
     def failure_group(events: OutboxEventQuerySet, row: Mapping[str, Any]) -> FailureGroup | None:
@@ -1295,11 +1363,147 @@ class ProcessedMessageAdmin(OperationsAdmin):
         return health.elapsed(message.processed_at, timezone.now())
 
 
+class MessageFailureGroupFilter(admin.SimpleListFilter):
+    """The failed messages of one failure group, reached from the failure groups page; in the
+    sidebar only while chosen."""
+
+    title = _("failure group")
+    parameter_name = "failure"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        value = self.value()
+        if not value:
+            return []
+        newest = newest_failure(FailedMessage.objects.all(), str(value))
+        label = normalise(newest["last_error"]) if newest else str(value)
+        return [(str(value), Truncator(label).chars(80))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        value = self.value()
+        return queryset.filter(failure_fingerprint=value) if value else None
+
+
+class FailedMessageAdmin(OperationsAdmin):
+    """Messages whose handler raised, until it succeeds or an operator forgets them. The broker
+    holds the message and redelivers it; forgetting the record does not touch the message."""
+
+    list_display = ("consumer", "message_id", "attempts", "error_display", "last_failed")
+    list_filter = (ConsumerFilter, MessageFailureGroupFilter)
+    sortable_by = ()
+    search_fields = ("message_id", "consumer")
+    search_help_text = _("An exact message id or consumer.")
+    ordering = ("-pk",)
+    actions = ("forget_failures",)
+    change_list_template = "admin/django_idempotency/failed_message_change_list.html"
+    fields = (
+        *("consumer", "message_id", "attempts", "last_error_display", "failure_group_display"),
+        *("failing_since", "last_failed_at", "traceback_display"),
+    )
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).defer("failure_traceback")
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        url: str | None = None
+        if self.admin_site.is_registered(OutboxEvent):
+            url = reverse(f"{self.admin_site.name}:django_idempotency_outboxevent_failures")
+        context = {"failure_groups_url": url and f"{url}#consumers", **(extra_context or {})}
+        return super().changelist_view(request, context)
+
+    @admin.display(description=_("last error"))
+    def error_display(self, message: FailedMessage) -> str:
+        return Truncator(message.last_error).chars(60)
+
+    @admin.display(description=_("last failed"))
+    def last_failed(self, message: FailedMessage) -> str:
+        return _("%(age)s ago") % {"age": health.elapsed(message.last_failed_at, timezone.now())}
+
+    @admin.display(description=_("last error"))
+    def last_error_display(self, message: FailedMessage) -> SafeString:
+        return preformatted(message.last_error)
+
+    @admin.display(description=_("failure group"))
+    def failure_group_display(self, message: FailedMessage) -> SafeString:
+        opts = self.opts
+        changelist = reverse(
+            f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_changelist"
+        )
+        query = urlencode({"failure": message.failure_fingerprint})
+        return format_html(
+            '<a href="{}?{}">{}</a>', changelist, query, normalise(message.last_error)
+        )
+
+    @admin.display(description=_("traceback"))
+    def traceback_display(self, message: FailedMessage) -> SafeString | str:
+        return preformatted(message.failure_traceback) if message.failure_traceback else "–"
+
+    @admin.action(description=_("Forget selected failures…"), permissions=["delete"])
+    def forget_failures(
+        self, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> TemplateResponse | None:
+        group = request.GET.get("failure") or None
+        if request.POST.get("post") == "yes":
+            forgotten = forget_failed_messages(queryset, failure_group=group)
+            self.message_user(
+                request,
+                ngettext(
+                    "Forgot %(count)d failed message.",
+                    "Forgot %(count)d failed messages.",
+                    forgotten,
+                )
+                % {"count": forgotten},
+                messages.SUCCESS if forgotten else messages.WARNING,
+            )
+            logger.info(
+                "inbox failures forgotten by %s: %d",
+                request.user.get_username(),
+                forgotten,
+                extra={
+                    "admin_user": request.user.get_username(),
+                    "inbox_count": forgotten,
+                    "inbox_failure_group": group,
+                },
+            )
+            return None
+        count = queryset.count()
+        return self.confirm_action(
+            request,
+            action="forget_failures",
+            title=gettext("Forget failed messages"),
+            question=gettext(
+                "The records of the failed messages below will be deleted: they leave their "
+                "failure groups. The messages themselves are the broker's, which redelivers "
+                "them or not as it would anyway; a message that fails again is recorded again. "
+                "Forget them?"
+            ),
+            objects=[
+                format_html(
+                    "{} {} — {}",
+                    self.change_link(message, message.message_id),
+                    message.consumer,
+                    Truncator(message.last_error).chars(120),
+                )
+                for message in queryset.order_by("-pk")[:GROUP_EVENTS_SHOWN]
+            ],
+            summary=ngettext(
+                "%(count)d failed message is selected.",
+                "%(count)d failed messages are selected; the latest 20 are listed.",
+                count,
+            )
+            % {"count": count},
+            confirm_label=gettext("Yes, forget them"),
+        )
+
+
 def register(site: admin.AdminSite = admin.site) -> None:
     """Register this app's admins on ``site`` (done for ``admin.site`` unless switched off)."""
     site.register(IdempotencyRecord, IdempotencyRecordAdmin)
     site.register(OutboxEvent, OutboxEventAdmin)
     site.register(ProcessedMessage, ProcessedMessageAdmin)
+    site.register(FailedMessage, FailedMessageAdmin)
 
 
 if conf.REGISTER_ADMIN:

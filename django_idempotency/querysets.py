@@ -15,6 +15,7 @@ from django_idempotency.core import statemachine
 
 __all__ = [
     "COMPLETED",
+    "FailedMessageQuerySet",
     "IdempotencyRecordQuerySet",
     "OUTBOX_KEY_BUCKETS",
     "OutboxEventQuerySet",
@@ -37,6 +38,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from django_idempotency.models import (  # noqa: F401  (named in strings)
+        FailedMessage,
         IdempotencyRecord,
         OutboxEvent,
         OutboxKeyLock,
@@ -186,7 +188,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         return self.order_by(*RELAY_ORDER)
 
     def in_failure_group(self, fingerprint: str) -> OutboxEventQuerySet:
-        """The failed events of one failure group (see ``outbox/failures.py``)."""
+        """The failed events of one failure group (see ``core/failures.py``)."""
         return self.failed().filter(failure_fingerprint=fingerprint)
 
     def failure_groups(self) -> models.QuerySet[OutboxEvent, Mapping[str, Any]]:
@@ -237,3 +239,27 @@ class ProcessedMessageQuerySet(models.QuerySet["ProcessedMessage"]):
     def processed_before(self, cutoff: datetime) -> ProcessedMessageQuerySet:
         """What the sweep deletes: processed longer ago than the retention."""
         return self.filter(processed_at__lt=cutoff)
+
+
+class FailedMessageQuerySet(models.QuerySet["FailedMessage"]):
+    def for_message(self, consumer: str, message_id: str) -> FailedMessageQuerySet:
+        return self.filter(consumer=consumer, message_id=message_id)
+
+    def in_failure_group(self, fingerprint: str) -> FailedMessageQuerySet:
+        return self.filter(failure_fingerprint=fingerprint)
+
+    def failure_groups(self) -> models.QuerySet[FailedMessage, Mapping[str, Any]]:
+        """One row per failure group, seen most recently first: ``failure_fingerprint``,
+        ``messages``, ``consumers`` (how many) and ``consumer`` (the first by name),
+        ``first_seen``, ``last_seen``; as :meth:`OutboxEventQuerySet.failure_groups`."""
+        return (
+            self.values("failure_fingerprint")
+            .annotate(
+                messages=Count("pk"),
+                consumers=Count("consumer", distinct=True),
+                consumer=Min("consumer"),
+                first_seen=Min("failing_since"),
+                last_seen=Max("last_failed_at"),
+            )
+            .order_by("-last_seen", "failure_fingerprint")
+        )

@@ -16,6 +16,7 @@ __all__ = [
     "event_published",
     "events_discarded",
     "events_retried",
+    "failures_forgotten",
     "fast_path_failed",
     "key_claimed",
     "key_released",
@@ -99,6 +100,11 @@ events_discarded = Signal()
 #: A consumer received a message it had already processed and skipped it.
 #: kwargs: ``consumer``, ``message_id``.
 duplicate_skipped = Signal()
+
+#: An operator forgot the records of failed messages (the admin's action,
+#: ``inbox.operator.forget_failed_messages``); sent with ``sender`` = FailedMessage once the last
+#: batch committed. kwargs: ``count``, ``failure_group`` (a fingerprint, or None).
+failures_forgotten = Signal()
 
 # --- Sweeps. Sent with ``sender`` = the model swept. --------------------------------------------
 

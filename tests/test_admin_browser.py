@@ -20,8 +20,8 @@ import pytest
 from django.contrib.auth.models import User
 from django.utils import timezone
 
+from django_idempotency.core.failures import fingerprint_of
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
-from django_idempotency.outbox.failures import fingerprint_of
 from tests.browser_support import (
     ARTIFACTS,
     LAPTOP_WIDTH,
@@ -234,8 +234,8 @@ def test_outbox_filter_failed_events_and_retry_one(browser, live_server):
 def webhook_timeout() -> tuple[str, str]:
     """The error and the traceback the relay stores when a real webhook times out: a socket
     that accepts connections (the kernel does) and never answers."""
+    from django_idempotency.core.failures import describe, failure_traceback
     from django_idempotency.exceptions import PublishError
-    from django_idempotency.outbox.failures import describe, failure_traceback
     from django_idempotency.publishers import OutboxMessage
     from django_idempotency.publishers.webhook import WebhookPublisher
 
@@ -300,6 +300,15 @@ def test_failure_groups_requeue_a_group_that_changed_meanwhile(browser, live_ser
             dead=True,
         )
     OutboxEventFactory.create_batch(3, published=True)
+    # A consumer failing for one reason, recorded as consume_once records it.
+    from django_idempotency.inbox import consume_once
+
+    for n in (7, 8, 9):
+        try:
+            with consume_once("ledger.post", f"msg-{n}"):
+                raise LookupError(f"no ledger account for customer {n * 1111}")
+        except LookupError:
+            pass
 
     log_in(browser, live_server, "/admin/django_idempotency/outboxevent/")
     wait_for(browser, "#idempotency-health")
@@ -308,6 +317,11 @@ def test_failure_groups_requeue_a_group_that_changed_meanwhile(browser, live_ser
     assert_nothing_cut_off(browser, "the failure groups page")
     fold_navigation(browser)
     assert_nothing_cut_off(browser, "the failure groups page, navigation folded")
+    consumers = browser.find_element(By.CSS_SELECTOR, "#message-failure-groups tr.failure-group")
+    assert consumers.find_element(By.CSS_SELECTOR, "code").text == (
+        "LookupError: no ledger account for customer <n>"
+    )
+    assert consumers.find_element(By.CSS_SELECTOR, ".field-events").text == "3"
     rows = browser.find_elements(By.CSS_SELECTOR, "#failure-groups tr.failure-group")
     signatures = [row.find_element(By.CSS_SELECTOR, "code").text for row in rows]
     assert signatures == [
@@ -329,7 +343,7 @@ def test_failure_groups_requeue_a_group_that_changed_meanwhile(browser, live_ser
     assert opens_at_end
     assert shown.is_displayed() and "httpx.ReadTimeout (message not stored)" in shown.text
     assert_nothing_cut_off(browser, "the failure groups page, a traceback open")
-    screenshot(browser, "admin-failure-groups", height=1100)
+    screenshot(browser, "admin-failure-groups", height=1350)
 
     # The group's events, from its row.
     webhook.find_element(By.LINK_TEXT, "Show events").click()

@@ -13,8 +13,8 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
+from django_idempotency.core.failures import fingerprint_of
 from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox.failures import fingerprint_of
 from tests.admin_support import login, messages_of
 from tests.factories import OutboxEventFactory
 
@@ -374,3 +374,108 @@ def test_change_permission_requeues_and_delete_permission_discards(groups):
 def test_no_permission_no_page(groups):
     client = login("view_idempotencyrecord")
     assert client.get(groups_url()).status_code == 403
+
+
+# --- failed messages -----------------------------------------------------------------------------
+
+
+def failed_message(message_id: str, error: str, consumer: str = "billing", minutes: float = 10):
+    from django_idempotency.models import FailedMessage
+
+    now = timezone.now()
+    return FailedMessage.objects.create(
+        consumer=consumer,
+        message_id=message_id,
+        attempts=2,
+        last_error=error,
+        failure_fingerprint=fingerprint_of(error),
+        failing_since=now - timedelta(minutes=minutes),
+        last_failed_at=now - timedelta(minutes=minutes / 2),
+        failure_traceback=TRACEBACK + error,
+    )
+
+
+LEDGER_DOWN = "LedgerDown: ledger 10.0.0.7 refused entry 1041"
+
+
+@pytest.fixture
+def failed_messages() -> list[Any]:
+    return [
+        failed_message("m-1", LEDGER_DOWN, minutes=30),
+        failed_message("m-2", "LedgerDown: ledger 10.0.0.8 refused entry 77", "ledger.post"),
+        failed_message("m-3", "KeyError: 'account'", minutes=4),
+    ]
+
+
+def messages_url(query: str = "") -> str:
+    url = reverse("admin:django_idempotency_failedmessage_changelist")
+    return url + (f"?{query}" if query else "")
+
+
+def test_the_page_groups_failed_messages_too(superuser, failed_messages):
+    response = superuser.get(groups_url())
+    rows = response.context["message_groups"]
+    key_error, ledger = (row["group"] for row in rows)
+    assert key_error.signature == "KeyError: 'account'"
+    assert ledger.signature == "LedgerDown: ledger <n>.<n>.<n>.<n> refused entry <n>"
+    assert (ledger.messages, ledger.consumers, ledger.consumer) == (2, 2, "billing")
+    assert ledger.first_seen == failed_messages[0].failing_since
+    assert rows[1]["messages_url"] == messages_url(f"failure={ledger.fingerprint}")
+    html = response.content.decode()
+    assert 'id="consumers"' in html and "billing and 1 more" in html
+    assert "raise PublishError(&lt;script&gt;)" in html  # the newest traceback, escaped
+
+
+def test_failed_messages_are_left_out_for_those_who_may_not_see_them(failed_messages):
+    response = login("view_outboxevent").get(groups_url())
+    assert response.context["message_groups"] is None
+    assert 'id="consumers"' not in response.content.decode()
+    both = login("view_outboxevent", "view_failedmessage").get(groups_url())
+    assert len(both.context["message_groups"]) == 2
+
+
+def test_forget_a_group_of_failed_messages_after_the_count(superuser, failed_messages):
+    from django_idempotency.models import FailedMessage
+    from tests.admin_support import post_action
+
+    fingerprint = fingerprint_of(LEDGER_DOWN)
+    listed = superuser.get(messages_url(f"failure={fingerprint}"))
+    assert {m.message_id for m in listed.context["cl"].result_list} == {"m-1", "m-2"}
+    (spec,) = [s for s in listed.context["cl"].filter_specs if s.title == "failure group"]
+    assert spec.lookup_choices == [
+        (fingerprint, "LedgerDown: ledger <n>.<n>.<n>.<n> refused entry <n>")
+    ]
+    url = messages_url(f"failure={fingerprint}")
+    page = post_action(superuser, url, "forget_failures", failed_messages[:1], select_across="1")
+    html = page.content.decode()
+    assert "2 failed messages are selected; the latest 20 are listed." in html
+    assert FailedMessage.objects.count() == 3
+    done = post_action(
+        superuser, url, "forget_failures", failed_messages[:1], select_across="1", post="yes"
+    )
+    assert messages_of(done) == ["success: Forgot 2 failed messages."]
+    assert list(FailedMessage.objects.values_list("message_id", flat=True)) == ["m-3"]
+
+
+def test_a_failed_messages_page_is_read_only(superuser, failed_messages):
+    message = failed_messages[0]
+    url = reverse("admin:django_idempotency_failedmessage_change", args=[message.pk])
+    html = superuser.get(url).content.decode()
+    assert "ledger 10.0.0.7 refused entry 1041" in html
+    assert "raise PublishError(&lt;script&gt;)" in html
+    assert 'name="_save"' not in html
+    assert superuser.post(url, {"attempts": "0"}).status_code == 403
+    add = reverse("admin:django_idempotency_failedmessage_add")
+    assert superuser.get(add).status_code == 403
+
+
+def test_forgetting_needs_the_delete_permission(failed_messages):
+    from django_idempotency.models import FailedMessage
+    from tests.admin_support import post_action
+
+    viewer = login("view_failedmessage")
+    response = viewer.get(messages_url())
+    assert response.status_code == 200 and response.context["action_form"] is None
+    forged = post_action(viewer, messages_url(), "forget_failures", failed_messages, post="yes")
+    assert messages_of(forged) == []
+    assert FailedMessage.objects.count() == 3

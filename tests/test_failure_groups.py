@@ -16,6 +16,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from django_idempotency import signals
+from django_idempotency.core.failures import fingerprint_of
 from django_idempotency.exceptions import BrokerUnavailable, PublishError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.operations import (
@@ -25,7 +26,6 @@ from django_idempotency.operations import (
     retry_events,
     retry_failure_group,
 )
-from django_idempotency.outbox.failures import fingerprint_of
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
 from tests.factories import OutboxEventFactory
@@ -354,7 +354,7 @@ def test_group_actions_are_announced_logged_and_counted(caplog):
 
 def test_the_migration_groups_events_that_failed_before_it():
     migration = importlib.import_module(
-        "django_idempotency.migrations.0005_failure_groups_outbox_failures"
+        "django_idempotency.migrations.0005_failure_groups_failures"
     )
     dead = OutboxEventFactory(dead=True, last_error=REFUSED)
     failing = OutboxEventFactory(failing=True, last_error=UNROUTABLE)
@@ -382,6 +382,6 @@ def test_the_migration_groups_events_that_failed_before_it():
 
 def test_relay_and_failure_errors_fingerprint_alike():
     error = PublishError("webhook https://partner.example/hooks answered 503")
-    from django_idempotency.outbox.failures import failure_fingerprint
+    from django_idempotency.core.failures import failure_fingerprint
 
     assert failure_fingerprint(error) == fingerprint_of(REFUSED)

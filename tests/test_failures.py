@@ -1,13 +1,11 @@
-"""The failure fingerprint and the stored traceback (``outbox/failures.py``): pure, no database."""
+"""The failure fingerprint and the stored traceback (``core/failures.py``): pure, no database."""
 
 from __future__ import annotations
 
 import pytest
 
-from django_idempotency.exceptions import BrokerUnavailable, PublishError
-from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox import failures, relay
-from django_idempotency.outbox.failures import (
+from django_idempotency.core import failures
+from django_idempotency.core.failures import (
     FINGERPRINT_LENGTH,
     MESSAGE_MAX_CHARS,
     TRACEBACK_MAX_FRAMES,
@@ -17,6 +15,9 @@ from django_idempotency.outbox.failures import (
     fingerprint_of,
     normalise,
 )
+from django_idempotency.exceptions import BrokerUnavailable, PublishError
+from django_idempotency.models import OutboxEvent
+from django_idempotency.outbox import relay
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ __all__ = [
     "CLAIM_DURATION",
     "COMPLETIONS",
     "CONSUMER_DUPLICATES",
+    "INBOX_FAILURES_FORGOTTEN",
     "LEASES_LOST",
     "OUTBOX_DEAD",
     "OUTBOX_OPERATOR_ACTIONS",
@@ -109,6 +110,11 @@ OUTBOX_OPERATOR_EVENTS = Counter(
     "Failed outbox events an operator retried or discarded, by action and target.",
     ["action", "target"],
 )
+INBOX_FAILURES_FORGOTTEN = Counter(
+    PREFIX + "inbox_failures_forgotten",
+    "Records of failed messages an operator forgot, by target (selection, failure_group).",
+    ["target"],
+)
 CONSUMER_DUPLICATES = Counter(
     PREFIX + "consumer_duplicates_skipped",
     "Messages a consumer had handled already and skipped, by consumer.",
@@ -171,6 +177,14 @@ def _counting_operator(action: str) -> Receiver:
     return receiver
 
 
+def _count_forgotten(
+    sender: Any, *, count: int, failure_group: str | None = None, **kwargs: Any
+) -> None:
+    if conf.METRICS:
+        target = "selection" if failure_group is None else "failure_group"
+        INBOX_FAILURES_FORGOTTEN.labels(target=target).inc(count)
+
+
 #: Each signal and the receiver that counts it; the receivers are held here, so the signals can
 #: keep their default weak references.
 RECEIVERS: tuple[tuple[Signal, Receiver], ...] = (
@@ -190,6 +204,7 @@ RECEIVERS: tuple[tuple[Signal, Receiver], ...] = (
     (signals.rows_swept, _counting_by(SWEPT_ROWS, "sweep", amount="count")),
     (signals.events_retried, _counting_operator("retry")),
     (signals.events_discarded, _counting_operator("discard")),
+    (signals.failures_forgotten, _count_forgotten),
 )
 
 

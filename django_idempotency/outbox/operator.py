@@ -3,9 +3,9 @@
 The admin's actions call these; so can commands and tests. Each works through the selection in
 batches, one short transaction per batch, and judges every row again under a row lock before it
 changes anything: a relay may have taken the row since the page was shown. A failure group (see
-:mod:`.failures`) is acted on the same way, its selection judged again under the lock too.
-Every action is logged and announced (``events_retried``, ``events_discarded``) once its last
-batch committed; the metrics count those signals.
+:mod:`django_idempotency.core.failures`) is acted on the same way, its selection judged again
+under the lock too. Every action is logged and announced (``events_retried``,
+``events_discarded``) once its last batch committed; the metrics count those signals.
 """
 
 from __future__ import annotations

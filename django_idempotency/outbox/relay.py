@@ -60,10 +60,10 @@ from django.utils import timezone
 
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
+from django_idempotency.core.failures import describe, failure_fingerprint, failure_traceback
 from django_idempotency.db import database_now, postgresql
 from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox.failures import describe, failure_fingerprint, failure_traceback
 from django_idempotency.outbox.publish import NOTIFY_CHANNEL
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 from django_idempotency.publishers.routing import PublisherSet

@@ -6,8 +6,9 @@ what differs from one event to the next (ids, numbers, timestamps) normalised aw
 The relay computes it once, when it records a failure, and stores it in an indexed column:
 grouping a million events then reads an index, never a regular expression over their text.
 
-Everything here is pure (no database, no settings), so the relay, the migration that
-fingerprints failures recorded before fingerprints existed, and the tests share one definition.
+Everything here is pure (no database, no settings), so the relay, the idempotent consumers
+(whose failed messages are grouped the same way), the migration that fingerprints failures
+recorded before fingerprints existed, and the tests share one definition.
 The signature is computed from the same text the relay stores in ``last_error``, so a
 fingerprint can be recomputed from a stored error: the two always agree.
 """
