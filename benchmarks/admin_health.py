@@ -9,9 +9,10 @@ Idempotency records: 1 in 1,000 stuck (lease expired), 1 in 1,000 running, 1 in 
 the rest completed. Outbox events: the newest 20,000 pending (a broker outage's backlog, 1 in
 10 of them failing, all for the outage), 1 in 1,000 dead (for eight reasons: eight failure
 groups), the rest published; failed events carry their fingerprint and a 2 KB traceback, as
-the relay records them. Processed messages: five consumers over two weeks. Prints median and
-worst times for the health snapshot, changelist pages, the failure groups pages and, for
-comparison, the exact ``COUNT(*)`` the admin never runs.
+the relay records them. Processed messages: five consumers over two weeks. Failed messages:
+5,000, in four failure groups. Prints median and worst times for the health snapshot,
+changelist pages, the failure groups pages and, for comparison, the exact ``COUNT(*)`` the
+admin never runs.
 """
 
 from __future__ import annotations
@@ -117,6 +118,33 @@ SELECT
 FROM generate_series(1, %(rows)s) AS i, (SELECT %(rows)s AS total) AS size
 """
 
+#: Messages whose handler raised, for four reasons: the failure groups page's second section.
+FAILED_MESSAGES = 5_000
+MESSAGE_ERRORS = [
+    "LookupError: no ledger account for customer 4242",
+    "LedgerDown: ledger 10.0.0.7 refused entry 1041",
+    'IntegrityError: duplicate key value violates unique constraint "ledger_entry_ref"',
+    "TimeoutError: search index did not answer within 5.0 s",
+]
+
+FAILED_FILL_SQL = """
+INSERT INTO django_idempotency_failedmessage (
+    consumer, message_id, attempts, last_error, failure_fingerprint, failing_since,
+    last_failed_at, failure_traceback
+)
+SELECT
+    (ARRAY['billing.charge', 'shipping.ship', 'mail.receipt', 'ledger.post',
+           'search.index'])[1 + i %% 5],
+    md5(('failed' || i)::text)::uuid::text,
+    1 + i %% 7,
+    (%(message_errors)s::text[])[1 + i %% 4],
+    (%(message_fingerprints)s::text[])[1 + i %% 4],
+    now() - (i %% 86400) * interval '1 second' - interval '1 hour',
+    now() - (i %% 86400) * interval '1 second',
+    %(traceback)s
+FROM generate_series(1, %(failed_messages)s) AS i
+"""
+
 PROCESSED_FILL_SQL = """
 INSERT INTO django_idempotency_processedmessage (consumer, message_id, processed_at)
 SELECT
@@ -195,7 +223,12 @@ def main() -> None:
     from django.urls import reverse
 
     from django_idempotency.core.failures import fingerprint_of
-    from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
+    from django_idempotency.models import (
+        FailedMessage,
+        IdempotencyRecord,
+        OutboxEvent,
+        ProcessedMessage,
+    )
     from django_idempotency.operations import health
 
     call_command("migrate", verbosity=0)
@@ -208,9 +241,13 @@ def main() -> None:
         "outage_error": OUTAGE_ERROR,
         "outage_fingerprint": fingerprint_of(OUTAGE_ERROR),
         "traceback": TRACEBACK,
+        "failed_messages": FAILED_MESSAGES,
+        "message_errors": MESSAGE_ERRORS,
+        "message_fingerprints": [fingerprint_of(error) for error in MESSAGE_ERRORS],
     }
     fill(OutboxEvent._meta.db_table, OUTBOX_FILL_SQL, sizes, args.rows, args.refill)
     fill(ProcessedMessage._meta.db_table, PROCESSED_FILL_SQL, sizes, args.rows, args.refill)
+    fill(FailedMessage._meta.db_table, FAILED_FILL_SQL, sizes, FAILED_MESSAGES, args.refill)
     user, _ = User.objects.get_or_create(
         username="bench", defaults={"is_staff": True, "is_superuser": True}
     )
