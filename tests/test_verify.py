@@ -241,3 +241,16 @@ def test_leftovers_of_an_interrupted_run_are_swept() -> None:
     assert report.ok, report.table()
     assert list(ProcessedMessage.objects.values_list("consumer", flat=True)) == ["billing"]
     connections.close_all()
+
+
+def test_the_outbox_check_can_go_through_a_configured_route() -> None:
+    """``--outbox-topic``: the scratch events take the route configured for that topic (the
+    test settings' catch-all, the in-memory publisher here; a real broker in a project)."""
+    scratch = verifying._Scratch()
+    try:
+        result = verifying._killed_relay(scratch, VerifyOptions(outbox_topic="orders.verified"))
+    finally:
+        verifying._clean_up(scratch)
+    assert result.passed is True, result.evidence
+    assert "on 'orders.verified'" in result.evidence and "lost: 0" in result.evidence
+    nothing_left_behind()
