@@ -1,6 +1,6 @@
 # Two commands matter: `make demo` serves the demo, `make test` runs the whole test suite.
 # The test suite runs once per database backend and once per supported Django series.
-# Service URLs come from the environment (POSTGRES_URL, MARIADB_URL, REDIS_URL, AMQP_URL);
+# Service URLs come from the environment (POSTGRES_URL, MARIADB_URL, REDIS_URL, AMQP_URL, NATS_URL);
 # see tests/backends.py for what happens when one is missing.
 
 SHELL := /bin/bash

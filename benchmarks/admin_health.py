@@ -6,10 +6,13 @@
 Uses its own database (the URL's name + ``_bench``), filled once with ``INSERT ... SELECT
 generate_series`` and ANALYZEd (as autovacuum would); later runs reuse it unless ``--refill``.
 Idempotency records: 1 in 1,000 stuck (lease expired), 1 in 1,000 running, 1 in 20 expired,
-the rest completed. Outbox events: the newest 20,000 pending (a broker outage's backlog, some
-failing), 1 in 1,000 dead, the rest published. Processed messages: five consumers over two
-weeks. Prints median and worst times for the health snapshot, changelist pages and, for
-comparison, the exact ``COUNT(*)`` the admin never runs.
+the rest completed. Outbox events: the newest 20,000 pending (a broker outage's backlog, 1 in
+10 of them failing, all for the outage), 1 in 1,000 dead (for eight reasons: eight failure
+groups), the rest published; failed events carry their fingerprint and a 2 KB traceback, as
+the relay records them. Processed messages: five consumers over two weeks. Failed messages:
+5,000, in four failure groups. Prints median and worst times for the health snapshot,
+changelist pages, the failure groups pages and, for comparison, the exact ``COUNT(*)`` the
+admin never runs.
 """
 
 from __future__ import annotations
@@ -56,10 +59,33 @@ FROM generate_series(1, %s) AS i
 #: The newest events that are still pending: the backlog a broker outage leaves.
 OUTBOX_BACKLOG = 20_000
 
+#: Why the dead events died: eight failure groups.
+DEAD_ERRORS = [
+    "PublishError: webhook https://partner.example/hooks/*** answered 410",
+    "PublishError: webhook https://partner.example/hooks/*** answered 422",
+    "PublishError: unroutable: no queue bound for 'refunds.issued'",
+    "PublishError: unroutable: no queue bound for 'invoices.sent'",
+    "PublishError: send_task failed: ContentDisallowed('Refusing to serialize')",
+    "UnroutableTopic: no OUTBOX_PUBLISHERS route matches the topic 'orders.shipped'",
+    "TypeError: Object of type Decimal is not JSON serializable",
+    "PublishError: webhook https://ledger.example/in/*** failed: ReadTimeout",
+]
+#: Why the failing part of the backlog waits: the broker is down.
+OUTAGE_ERROR = "BrokerUnavailable: AMQP broker unreachable: ConnectionRefusedError(111)"
+#: A traceback as long as a real chained one (the relay bounds them at 8,000 characters).
+TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    + '  File "/srv/app/.venv/lib/python3.12/site-packages/httpx/_client.py", line 1014, in '
+    "_send_single_request\n    response = transport.handle_request(request)\n"
+    * 16
+    + "httpx.ReadTimeout (message not stored)\n"
+)
+
 OUTBOX_FILL_SQL = """
 INSERT INTO django_idempotency_outboxevent (
     event_id, topic, key, payload, headers, status, attempts, next_attempt_at, locked_until,
-    relay_token, last_error, transaction_id, created_at, published_at, traceparent
+    relay_token, last_error, transaction_id, created_at, published_at, traceparent,
+    failure_fingerprint, failing_since, last_failed_at, failure_traceback
 )
 SELECT
     gen_random_uuid(),
@@ -75,14 +101,48 @@ SELECT
     now() - (total - i) * interval '500 milliseconds',
     NULL,
     NULL,
-    CASE WHEN i %% 1000 = 0 OR (i > total - %(backlog)s AND i %% 10 = 0)
-         THEN 'BrokerUnavailable: AMQP broker unreachable' ELSE '' END,
+    CASE WHEN i %% 1000 = 0 THEN (%(dead_errors)s::text[])[1 + i / 1000 %% 8]
+         WHEN i > total - %(backlog)s AND i %% 10 = 0 THEN %(outage_error)s ELSE '' END,
     1000 + i / 3,
     now() - (total - i) * interval '500 milliseconds',
     CASE WHEN i > total - %(backlog)s OR i %% 1000 = 0 THEN NULL
          ELSE now() - (total - i) * interval '500 milliseconds' + interval '40 milliseconds' END,
-    '00-' || md5(i::text) || '-' || left(md5((i + 1)::text), 16) || '-01'
+    '00-' || md5(i::text) || '-' || left(md5((i + 1)::text), 16) || '-01',
+    CASE WHEN i %% 1000 = 0 THEN (%(dead_fingerprints)s::text[])[1 + i / 1000 %% 8]
+         WHEN i > total - %(backlog)s AND i %% 10 = 0 THEN %(outage_fingerprint)s END,
+    CASE WHEN i %% 1000 = 0 OR (i > total - %(backlog)s AND i %% 10 = 0)
+         THEN now() - (total - i) * interval '500 milliseconds' + interval '1 second' END,
+    CASE WHEN i %% 1000 = 0 OR (i > total - %(backlog)s AND i %% 10 = 0)
+         THEN now() - (total - i) * interval '250 milliseconds' END,
+    CASE WHEN i %% 1000 = 0 OR (i > total - %(backlog)s AND i %% 10 = 0) THEN %(traceback)s END
 FROM generate_series(1, %(rows)s) AS i, (SELECT %(rows)s AS total) AS size
+"""
+
+#: Messages whose handler raised, for four reasons: the failure groups page's second section.
+FAILED_MESSAGES = 5_000
+MESSAGE_ERRORS = [
+    "LookupError: no ledger account for customer 4242",
+    "LedgerDown: ledger 10.0.0.7 refused entry 1041",
+    'IntegrityError: duplicate key value violates unique constraint "ledger_entry_ref"',
+    "TimeoutError: search index did not answer within 5.0 s",
+]
+
+FAILED_FILL_SQL = """
+INSERT INTO django_idempotency_failedmessage (
+    consumer, message_id, attempts, last_error, failure_fingerprint, failing_since,
+    last_failed_at, failure_traceback
+)
+SELECT
+    (ARRAY['billing.charge', 'shipping.ship', 'mail.receipt', 'ledger.post',
+           'search.index'])[1 + i %% 5],
+    md5(('failed' || i)::text)::uuid::text,
+    1 + i %% 7,
+    (%(message_errors)s::text[])[1 + i %% 4],
+    (%(message_fingerprints)s::text[])[1 + i %% 4],
+    now() - (i %% 86400) * interval '1 second' - interval '1 hour',
+    now() - (i %% 86400) * interval '1 second',
+    %(traceback)s
+FROM generate_series(1, %(failed_messages)s) AS i
 """
 
 PROCESSED_FILL_SQL = """
@@ -162,14 +222,32 @@ def main() -> None:
     from django.test import Client
     from django.urls import reverse
 
-    from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
+    from django_idempotency.core.failures import fingerprint_of
+    from django_idempotency.models import (
+        FailedMessage,
+        IdempotencyRecord,
+        OutboxEvent,
+        ProcessedMessage,
+    )
     from django_idempotency.operations import health
 
     call_command("migrate", verbosity=0)
     fill(IdempotencyRecord._meta.db_table, FILL_SQL, [args.rows], args.rows, args.refill)
-    sizes = {"rows": args.rows, "backlog": OUTBOX_BACKLOG}
+    sizes = {
+        "rows": args.rows,
+        "backlog": OUTBOX_BACKLOG,
+        "dead_errors": DEAD_ERRORS,
+        "dead_fingerprints": [fingerprint_of(error) for error in DEAD_ERRORS],
+        "outage_error": OUTAGE_ERROR,
+        "outage_fingerprint": fingerprint_of(OUTAGE_ERROR),
+        "traceback": TRACEBACK,
+        "failed_messages": FAILED_MESSAGES,
+        "message_errors": MESSAGE_ERRORS,
+        "message_fingerprints": [fingerprint_of(error) for error in MESSAGE_ERRORS],
+    }
     fill(OutboxEvent._meta.db_table, OUTBOX_FILL_SQL, sizes, args.rows, args.refill)
     fill(ProcessedMessage._meta.db_table, PROCESSED_FILL_SQL, sizes, args.rows, args.refill)
+    fill(FailedMessage._meta.db_table, FAILED_FILL_SQL, sizes, FAILED_MESSAGES, args.refill)
     user, _ = User.objects.get_or_create(
         username="bench", defaults={"is_staff": True, "is_superuser": True}
     )
@@ -185,6 +263,14 @@ def main() -> None:
     latest_event = OutboxEvent.objects.order_by("-pk").values_list("pk", "event_id")[0]
     event_detail = reverse("admin:django_idempotency_outboxevent_change", args=[latest_event[0]])
     processed = reverse("admin:django_idempotency_processedmessage_changelist")
+    failures = reverse("admin:django_idempotency_outboxevent_failures")
+    outage = fingerprint_of(OUTAGE_ERROR)
+    requeue_outage = reverse(
+        "admin:django_idempotency_outboxevent_failure_group", args=[outage, "requeue"]
+    )
+
+    def groups() -> object:
+        return OutboxEvent.objects.failure_groups()[:50]
 
     def page(url: str) -> Callable[[], object]:
         def get() -> object:
@@ -222,6 +308,18 @@ def main() -> None:
         measure("outbox changelist, search by key", page(f"{events}?q=order-4242"), args.repeat),
         measure("outbox detail page", page(event_detail), args.repeat),
         measure("for comparison: outbox COUNT(*)", OutboxEvent.objects.count, args.repeat),
+        measure("failure groups: the query", lambda: list(groups()), args.repeat),
+        measure("failure groups page", page(failures), args.repeat),
+        measure(
+            "failure groups page, one topic", page(f"{failures}?topic=refunds.issued"), args.repeat
+        ),
+        measure("failure groups page, dead only", page(f"{failures}?state=dead"), args.repeat),
+        measure("a group's requeue page (2,000 events)", page(requeue_outage), args.repeat),
+        measure(
+            "outbox changelist, one failure group",
+            page(f"{events}?failure={outage}"),
+            args.repeat,
+        ),
         measure("processed messages changelist", page(processed), args.repeat),
         measure(
             "processed messages, one consumer",
@@ -240,6 +338,10 @@ def main() -> None:
     for section in health.snapshot():
         figures = ", ".join(f"{figure.label}: {figure.value}" for figure in section.figures)
         print(f"{section.title}: {figures}")
+    print(f"Failure groups: {len(list(groups()))}")
+    print()
+    print("The failure groups query's plan:")
+    print(OutboxEvent.objects.failure_groups()[:50].explain())
 
 
 if __name__ == "__main__":

@@ -1,17 +1,22 @@
-"""Relay throughput on PostgreSQL: events per second, in-memory and AMQP publishers.
+"""Relay throughput on PostgreSQL: events per second, in-memory, AMQP and NATS JetStream.
 
-    make bench-relay        # needs POSTGRES_URL, and AMQP_URL for the AMQP rows
+    make bench-relay        # needs POSTGRES_URL; AMQP_URL for the AMQP rows; NATS_URL
+                            # (default nats://127.0.0.1:4222, skipped if down) for JetStream
 
 Creates a throwaway test database, fills the outbox with ``--events`` committed events, and
 times ``Relay(batch_size=...).drain()`` until every event is PUBLISHED, for each publisher and
 batch size. The AMQP publisher uses publisher confirms (one wait per batch) against a fresh
-exchange with one bound queue, deleted afterwards. Only the relay is timed, not the inserts.
+exchange with one bound queue, deleted afterwards. The NATS publisher awaits each batch's
+stream acks together, into a fresh file-stored stream, deleted afterwards. Only the relay is
+timed, not the inserts.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import socket
 import sys
 import time
 import uuid
@@ -57,6 +62,35 @@ def measure(routes: dict, batch_size: int, count: int, keys: int) -> float:
     return count / elapsed
 
 
+def nats_reachable(url: str) -> bool:
+    host, _, port = url.split("://", 1)[-1].rsplit("@", 1)[-1].partition(":")
+    try:
+        with socket.create_connection((host, int(port or 4222)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def nats_stream(url: str, name: str, subjects: list[str], *, delete: bool = False) -> None:
+    """Create (or delete) the benchmark's stream."""
+    import nats
+
+    async def act() -> None:
+        client = await nats.connect(url)
+        try:
+            jetstream = client.jetstream()
+            if delete:
+                await jetstream.delete_stream(name)
+            else:
+                await jetstream.add_stream(
+                    name=name, subjects=subjects, storage="file", duplicate_window=600
+                )
+        finally:
+            await client.close()
+
+    asyncio.run(act())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=5000)
@@ -93,6 +127,22 @@ def main() -> None:
             exchange(channel).delete()
             amqp.close()
 
+    nats_url = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+    stream_name = f"BENCH_OUTBOX_{uuid.uuid4().hex[:12].upper()}"
+    if nats_reachable(nats_url):
+        prefix = stream_name.lower()
+        nats_stream(nats_url, stream_name, [f"{prefix}.>"])
+        publishers["nats jetstream"] = {
+            "*": {
+                "BACKEND": "django_idempotency.publishers.nats.NATSPublisher",
+                "OPTIONS": {
+                    "servers": nats_url,
+                    "subject": f"{prefix}.{{topic}}",
+                    "stream": stream_name,
+                    "duplicate_window": 600,
+                },
+            }
+        }
     try:
         print(f"PostgreSQL relay throughput, {args.events} events, keys={args.keys}")
         print(f"{'publisher':<16} {'batch':>6} {'events/s':>10}")
@@ -105,6 +155,8 @@ def main() -> None:
     finally:
         if cleanup is not None:
             cleanup()
+        if "nats jetstream" in publishers:
+            nats_stream(nats_url, stream_name, [], delete=True)
         connection.creation.destroy_test_db(old_name, verbosity=0)
 
 

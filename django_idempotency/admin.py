@@ -9,20 +9,27 @@ when the admin autodiscovers this module); call :func:`register` for a site of y
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import quote
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
-from django.db.models import Field, Q, QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.db import router
+from django.db.models import Count, F, Field, Q, QuerySet
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
-from django.urls import NoReverseMatch, reverse
+from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.text import Truncator, capfirst
@@ -31,10 +38,24 @@ from django.utils.translation import gettext_lazy as _
 
 from django_idempotency import operations
 from django_idempotency.conf import conf
-from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
+from django_idempotency.core.failures import FINGERPRINT_LENGTH, normalise
+from django_idempotency.db import database_now
+from django_idempotency.inbox.operator import forget_failed_messages
+from django_idempotency.models import (
+    FailedMessage,
+    IdempotencyRecord,
+    OutboxEvent,
+    ProcessedMessage,
+)
 from django_idempotency.operations import health
 from django_idempotency.operations.actions import ReleaseResult, release_records
-from django_idempotency.querysets import PROCESSING, OutboxStatus, lease_expired_q
+from django_idempotency.querysets import (
+    PROCESSING,
+    FailedMessageQuerySet,
+    OutboxEventQuerySet,
+    OutboxStatus,
+    lease_expired_q,
+)
 
 __all__ = [
     "ConsumerFilter",
@@ -42,6 +63,11 @@ __all__ = [
     "EstimatingPaginator",
     "ExpiredFilter",
     "FailedFilter",
+    "FailedMessageAdmin",
+    "FailedMessageGroup",
+    "FailureGroup",
+    "FailureGroupFilter",
+    "GROUPS_PER_PAGE",
     "HealthPanel",
     "IdempotencyRecordAdmin",
     "MAX_INDENT_DEPTH",
@@ -64,6 +90,8 @@ if TYPE_CHECKING:
 else:  # generic only in the type stubs
     ModelAdmin = admin.ModelAdmin
     QuerySetPaginator = Paginator
+
+logger = logging.getLogger(__name__)
 
 #: Bodies longer than this are cut in the detail page (the full body stays in the database).
 DISPLAY_BODY_CHARS = 64 * 1024
@@ -610,6 +638,95 @@ class FailedFilter(admin.SimpleListFilter):
         return None
 
 
+#: Failure groups per page of the failure groups page, the most recently seen first.
+GROUPS_PER_PAGE = 50
+#: Events listed on a failure group's confirmation page.
+GROUP_EVENTS_SHOWN = 20
+#: The failure-group filter's value for failed events without a fingerprint: recorded by an
+#: earlier version's relay while this one was being rolled out.
+UNGROUPED = "none"
+_FINGERPRINT = re.compile(rf"[0-9a-f]{{{FINGERPRINT_LENGTH}}}")
+_GROUP_STATES = ("dead", "retrying")
+
+
+def newest_failure(
+    rows: OutboxEventQuerySet | FailedMessageQuerySet, fingerprint: str
+) -> dict[str, Any] | None:
+    """The group's most recent failure (an event's or a message's): one probe at the end of the
+    group's range of the failure index."""
+    group = rows.in_failure_group(fingerprint)
+    fields = ["pk", "last_error", "failure_traceback", "last_failed_at"]
+    fields += ["event_id", "topic"] if group.model is OutboxEvent else ["consumer", "message_id"]
+    newest = group.filter(last_failed_at__isnull=False).order_by("-last_failed_at")
+    for candidates in (newest, group.order_by("-pk")):  # the latter: fingerprinted by the upgrade
+        row: dict[str, Any] | None = candidates.values(*fields).first()
+        if row is not None:
+            return row
+    return None
+
+
+class FailureGroupFilter(admin.SimpleListFilter):
+    """The events of one failure group, reached from the failure groups page. In the sidebar
+    only while chosen: offering every group there would group the table on each page load."""
+
+    title = _("failure group")
+    parameter_name = "failure"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        value = self.value()
+        if not value:
+            return []
+        if value == UNGROUPED:
+            return [(value, _("Failed, not grouped"))]
+        newest = newest_failure(OutboxEvent.objects.all(), str(value))
+        label = normalise(newest["last_error"]) if newest else str(value)
+        return [(str(value), Truncator(label).chars(80))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        value = self.value()
+        if not value:
+            return None
+        if value == UNGROUPED:
+            return queryset.failed().filter(failure_fingerprint__isnull=True)  # type: ignore[attr-defined, no-any-return]
+        return queryset.filter(failure_fingerprint=value)
+
+
+@dataclass(frozen=True, slots=True)
+class FailureGroup:
+    """A row of the failure groups page: the aggregate, and the group's newest failure."""
+
+    fingerprint: str
+    #: The newest failure's ``last_error``, normalised: what the group's events have in common.
+    signature: str
+    events: int
+    dead: int
+    topics: int
+    #: The first topic by name (the only one when ``topics`` is 1).
+    topic: str
+    first_seen: datetime | None
+    last_seen: datetime | None
+    newest: Mapping[str, Any]
+
+    @property
+    def retrying(self) -> int:
+        return self.events - self.dead
+
+
+@dataclass(frozen=True, slots=True)
+class FailedMessageGroup:
+    """A row of the failure groups page's consumers section."""
+
+    fingerprint: str
+    signature: str
+    messages: int
+    consumers: int
+    #: The first consumer by name (the only one when ``consumers`` is 1).
+    consumer: str
+    first_seen: datetime | None
+    last_seen: datetime | None
+    newest: Mapping[str, Any]
+
+
 class OutboxEventAdmin(OperationsAdmin):
     # As for the records: few columns that wrap. The event id is shortened (its page and the
     # search have it in full), the state carries the failed attempts.
@@ -623,16 +740,28 @@ class OutboxEventAdmin(OperationsAdmin):
         "error_display",
     )
     list_display_links = ("event_display",)
-    list_filter = ("status", FailedFilter, TopicFilter)
+    list_filter = ("status", FailedFilter, TopicFilter, FailureGroupFilter)
     sortable_by = ("age",)
     search_fields = ("event_id", "key")
     search_help_text = _("An exact event id or ordering key.")
     ordering = ("-pk",)
     actions = ("retry_events", "discard_events")
+    change_list_template = "admin/django_idempotency/outbox_change_list.html"
     fieldsets = (
         (
             None,
             {"fields": ("event_id", "topic", "key", "status", "attempts", "last_error_display")},
+        ),
+        (
+            _("Failure"),
+            {
+                "fields": (
+                    "failure_group_display",
+                    "failing_since",
+                    "last_failed_at",
+                    "traceback_display",
+                )
+            },
         ),
         (_("Message"), {"fields": ("payload_display", "headers_display", "traceparent")}),
         (
@@ -646,12 +775,38 @@ class OutboxEventAdmin(OperationsAdmin):
         *("event_id", "topic", "key", "status", "attempts", "last_error_display"),
         *("payload_display", "headers_display", "traceparent", "next_attempt"),
         *("next_attempt_at", "locked_until", "relay_token", "created_at", "published_at"),
-        "age",
+        *("age", "failure_group_display", "failing_since", "last_failed_at", "traceback_display"),
     )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         # Payloads can be large; the list never shows them, the detail page loads them.
-        return super().get_queryset(request).defer("payload", "headers")
+        return super().get_queryset(request).defer("payload", "headers", "failure_traceback")
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        fieldsets = super().get_fieldsets(request, obj)
+        if obj is not None and not (obj.last_error or obj.failure_fingerprint):
+            failure = _("Failure")
+            return [(name, options) for name, options in fieldsets if name != failure]
+        return fieldsets
+
+    def get_urls(self) -> list[URLPattern]:
+        view = self.admin_site.admin_view
+        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
+        return [
+            path("failures/", view(self.failure_groups_view), name=f"{prefix}_failures"),
+            path(
+                "failures/<str:fingerprint>/<str:action>/",
+                view(self.failure_group_action_view),
+                name=f"{prefix}_failure_group",
+            ),
+            *super().get_urls(),
+        ]
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        context = {"failure_groups_url": self.failure_groups_url(), **(extra_context or {})}
+        return super().changelist_view(request, context)
 
     # --- columns and fields ---
 
@@ -710,6 +865,392 @@ class OutboxEventAdmin(OperationsAdmin):
     @admin.display(description=_("headers"))
     def headers_display(self, event: OutboxEvent) -> SafeString:
         return pretty_json(event.headers)
+
+    @admin.display(description=_("failure group"))
+    def failure_group_display(self, event: OutboxEvent) -> SafeString | str:
+        if not event.failure_fingerprint:
+            return "–"
+        return format_html(
+            '<a href="{}">{}</a>',
+            self.changelist_url(failure=event.failure_fingerprint),
+            normalise(event.last_error) or event.failure_fingerprint,
+        )
+
+    @admin.display(description=_("traceback"))
+    def traceback_display(self, event: OutboxEvent) -> SafeString | str:
+        return preformatted(event.failure_traceback) if event.failure_traceback else "–"
+
+    # --- failure groups ---
+
+    def admin_url(
+        self, name: str, *args: Any, query: Mapping[str, str | None] | None = None
+    ) -> str:
+        opts = self.opts
+        url = reverse(
+            f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_{name}", args=args
+        )
+        present = {key: value for key, value in (query or {}).items() if value}
+        return f"{url}?{urlencode(present)}" if present else url
+
+    def changelist_url(self, **query: str | None) -> str:
+        return self.admin_url("changelist", query=query)
+
+    def failure_groups_url(self, topic: str | None = None, state: str | None = None) -> str:
+        return self.admin_url("failures", query={"topic": topic, "state": state})
+
+    @staticmethod
+    def group_filters(data: Mapping[str, str]) -> tuple[str | None, Any]:
+        """The topic and state (``dead`` or ``retrying``) a failure groups page is filtered by."""
+        state = data.get("state")
+        return data.get("topic") or None, state if state in _GROUP_STATES else None
+
+    @staticmethod
+    def failed_events(topic: str | None, state: str | None) -> OutboxEventQuerySet:
+        events = OutboxEvent.objects.failed()
+        if topic:
+            events = events.filter(topic=topic)
+        if state:
+            dead = state == "dead"
+            events = events.filter(status=OutboxStatus.DEAD if dead else OutboxStatus.PENDING)
+        return events
+
+    def failure_groups_view(self, request: HttpRequest) -> TemplateResponse:
+        """Failed events grouped by failure fingerprint, each group with its count, first and
+        last seen, topics and newest traceback, and the buttons to requeue or discard it."""
+        if not self.has_view_or_change_permission(request):
+            raise PermissionDenied
+        topic, state = self.group_filters(request.GET)
+        try:
+            page = max(int(request.GET.get("p", "1")), 1)
+        except ValueError:
+            page = 1
+        events = self.failed_events(topic, state)
+        offset = (page - 1) * GROUPS_PER_PAGE
+        rows = list(events.failure_groups()[offset : offset + GROUPS_PER_PAGE + 1])
+        now = timezone.now()
+        groups = []
+        for row in rows[:GROUPS_PER_PAGE]:
+            group = self.failure_group(events, row)
+            if group is not None:
+                groups.append(self.group_row(group, topic, state, now))
+        filters = {"topic": topic, "state": state}
+        context = {
+            **self.failed_message_groups(request, now),
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": gettext("Failure groups"),
+            "groups": groups,
+            "topics": self.group_topics(topic),
+            "topic": topic or "",
+            "state": state or "",
+            "states": [("dead", gettext("Dead")), ("retrying", gettext("Retrying"))],
+            "filtered": bool(topic or state),
+            "previous_url": self.admin_url("failures", query={**filters, "p": str(page - 1)})
+            if page > 1
+            else None,
+            "next_url": self.admin_url("failures", query={**filters, "p": str(page + 1)})
+            if len(rows) > GROUPS_PER_PAGE
+            else None,
+            "has_change_permission": self.has_change_permission(request),
+            "has_delete_permission": self.has_delete_permission(request),
+            "ungrouped_url": self.changelist_url(failure=UNGROUPED),
+            "changelist_url": self.changelist_url(),
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "admin/django_idempotency/failure_groups.html", context)
+
+    def failed_message_groups(self, request: HttpRequest, now: datetime) -> dict[str, Any]:
+        """The consumers' section: failed messages by failure group, for those who may see
+        them (the section is left out where ``FailedMessage`` has no admin on this site)."""
+        if not self.admin_site.is_registered(FailedMessage):
+            return {"message_groups": None}
+        messages_admin = self.admin_site.get_model_admin(FailedMessage)
+        if not messages_admin.has_view_or_change_permission(request):
+            return {"message_groups": None}
+        changelist = reverse(f"{self.admin_site.name}:django_idempotency_failedmessage_changelist")
+        failed = FailedMessage.objects.all()
+        groups = []
+        for row in failed.failure_groups()[:GROUPS_PER_PAGE]:
+            newest = newest_failure(failed, row["failure_fingerprint"])
+            if newest is None:
+                continue
+            group = FailedMessageGroup(
+                fingerprint=row["failure_fingerprint"],
+                signature=normalise(newest["last_error"]),
+                messages=row["messages"],
+                consumers=row["consumers"],
+                consumer=row["consumer"],
+                first_seen=row["first_seen"],
+                last_seen=row["last_seen"],
+                newest=newest,
+            )
+            groups.append(
+                {
+                    "group": group,
+                    "first_seen": health.elapsed(group.first_seen, now),
+                    "last_seen": health.elapsed(group.last_seen, now),
+                    "messages_url": f"{changelist}?{urlencode({'failure': group.fingerprint})}",
+                    "newest_url": reverse(
+                        f"{self.admin_site.name}:django_idempotency_failedmessage_change",
+                        args=[newest["pk"]],
+                    ),
+                }
+            )
+        return {"message_groups": groups, "failed_messages_url": changelist}
+
+    @staticmethod
+    def failure_group(events: OutboxEventQuerySet, row: Mapping[str, Any]) -> FailureGroup | None:
+        fingerprint = row["failure_fingerprint"]
+        newest = newest_failure(events, fingerprint)
+        if newest is None:  # the group emptied between the two reads
+            return None
+        return FailureGroup(
+            fingerprint=fingerprint,
+            signature=normalise(newest["last_error"]),
+            events=row["events"],
+            dead=row["dead"],
+            topics=row["topics"],
+            topic=row["topic"],
+            first_seen=row["first_seen"],
+            last_seen=row["last_seen"],
+            newest=newest,
+        )
+
+    def group_row(
+        self, group: FailureGroup, topic: str | None, state: str | None, now: datetime
+    ) -> dict[str, Any]:
+        """What the template shows of a group: the group, its times in words, its links."""
+        status = {"dead": OutboxStatus.DEAD, "retrying": OutboxStatus.PENDING}.get(state or "")
+        filters = {"topic": topic, "state": state}
+        return {
+            "group": group,
+            "first_seen": health.elapsed(group.first_seen, now) if group.first_seen else "",
+            "last_seen": health.elapsed(group.last_seen, now) if group.last_seen else "",
+            "events_url": self.changelist_url(
+                failure=group.fingerprint, topic=topic, status__exact=status
+            ),
+            "newest_url": self.admin_url("change", group.newest["pk"]),
+            "requeue_url": self.admin_url(
+                "failure_group", group.fingerprint, "requeue", query=filters
+            ),
+            "discard_url": self.admin_url(
+                "failure_group", group.fingerprint, "discard", query=filters
+            ),
+        }
+
+    @staticmethod
+    def group_topics(chosen: str | None) -> list[str]:
+        """The topics for the filter: those of a sample of grouped failed events (a DISTINCT
+        over all of them would read every failed event, of which an outage makes many), and
+        the chosen one."""
+        grouped = OutboxEvent.objects.failed().filter(failure_fingerprint__isnull=False)
+        sample = grouped.order_by().values_list("topic", flat=True)[
+            : RecentValuesFilter.sample_size
+        ]
+        topics = set(sample)
+        if chosen:
+            topics.add(chosen)
+        return sorted(topics)
+
+    def failure_group_action_view(
+        self, request: HttpRequest, fingerprint: str, action: str
+    ) -> HttpResponse:
+        """Requeue or discard a failure group (or the part the topic and state filters leave):
+        a page that states the count, then the change on the events that still match."""
+        if action not in ("requeue", "discard") or not _FINGERPRINT.fullmatch(fingerprint):
+            raise Http404
+        allowed = (
+            self.has_change_permission(request)
+            if action == "requeue"
+            else self.has_delete_permission(request)
+        )
+        if not allowed:
+            raise PermissionDenied
+        data = request.POST if request.method == "POST" else request.GET
+        topic, state = self.group_filters(data)
+        groups_url = self.failure_groups_url(topic, state)
+        if request.method == "POST":
+            seen_at = parse_datetime(request.POST.get("seen_at", ""))
+            try:
+                shown = int(request.POST.get("shown", ""))
+            except ValueError:
+                seen_at = None
+            if seen_at is None or seen_at.tzinfo is None:
+                self.message_user(
+                    request,
+                    gettext(
+                        "The confirmation did not say when the group was shown; nothing was "
+                        "changed. Open the group again."
+                    ),
+                    messages.ERROR,
+                )
+                return HttpResponseRedirect(groups_url)
+            selection = operations.FailureGroupSelection(fingerprint, topic, state, seen_at)
+            self.act_on_failure_group(request, action, selection, shown)
+            return HttpResponseRedirect(groups_url)
+
+        seen_at = database_now(router.db_for_write(OutboxEvent))
+        selection = operations.FailureGroupSelection(fingerprint, topic, state, seen_at)
+        events = selection.events()
+        counts = events.aggregate(
+            events=Count("pk"), dead=Count("pk", filter=Q(status=OutboxStatus.DEAD))
+        )
+        if not counts["events"]:
+            self.message_user(
+                request,
+                gettext("No failed events are left in this failure group; nothing to do."),
+                messages.WARNING,
+            )
+            return HttpResponseRedirect(groups_url)
+        newest = newest_failure(events, fingerprint) or {}
+        listed = events.order_by(F("last_failed_at").desc(nulls_last=True), "-pk")
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": gettext("Requeue a failure group")
+            if action == "requeue"
+            else gettext("Discard a failure group"),
+            "action": action,
+            "signature": normalise(newest.get("last_error", "")),
+            "traceback": newest.get("failure_traceback") or "",
+            "count": counts["events"],
+            "summary": self.group_summary(action, counts["events"], counts["dead"], topic),
+            "objects": [
+                format_html(
+                    "{} {} ({}) — {}",
+                    self.change_link(event, str(event.event_id)),
+                    event.topic,
+                    event.status,
+                    Truncator(event.last_error).chars(120),
+                )
+                for event in listed.defer("payload", "headers")[:GROUP_EVENTS_SHOWN]
+            ],
+            "more": max(counts["events"] - GROUP_EVENTS_SHOWN, 0),
+            "topic": topic or "",
+            "state": state or "",
+            "seen_at": seen_at.isoformat(),
+            "groups_url": groups_url,
+            "confirm_label": gettext("Yes, requeue them")
+            if action == "requeue"
+            else gettext("Yes, discard them"),
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(
+            request, "admin/django_idempotency/failure_group_confirmation.html", context
+        )
+
+    @staticmethod
+    def group_summary(action: str, count: int, dead: int, topic: str | None) -> str:
+        if action == "requeue":
+            text = ngettext(
+                "%(count)d failed event will be sent again now (%(dead)d dead, %(retrying)d "
+                "waiting for a retry).",
+                "%(count)d failed events will be sent again now (%(dead)d dead, %(retrying)d "
+                "waiting for a retry).",
+                count,
+            )
+        else:
+            text = ngettext(
+                "%(count)d failed event will be deleted and never sent (%(dead)d dead, "
+                "%(retrying)d waiting for a retry).",
+                "%(count)d failed events will be deleted and never sent (%(dead)d dead, "
+                "%(retrying)d waiting for a retry).",
+                count,
+            )
+        text %= {"count": count, "dead": dead, "retrying": count - dead}
+        if topic:
+            text += " " + gettext("Only the topic %(topic)s.") % {"topic": topic}
+        return text
+
+    def act_on_failure_group(
+        self,
+        request: HttpRequest,
+        action: str,
+        selection: operations.FailureGroupSelection,
+        shown: int,
+    ) -> None:
+        """Requeue or discard what is still in the group, and say what changed since the page
+        that asked was shown."""
+        if action == "requeue":
+            result = operations.retry_failure_group(selection)
+            done = ngettext(
+                "Requeued %(count)d event of the failure group.",
+                "Requeued %(count)d events of the failure group.",
+                result.changed,
+            )
+        else:
+            result = operations.discard_failure_group(selection)
+            done = ngettext(
+                "Discarded %(count)d event of the failure group.",
+                "Discarded %(count)d events of the failure group.",
+                result.changed,
+            )
+        level = messages.SUCCESS if result.changed else messages.WARNING
+        self.message_user(request, done % {"count": result.changed}, level)
+        # What the page showed and is no longer there: published, retried or discarded by
+        # someone else, or failing for another reason now.
+        left = max(shown - result.changed - result.in_flight, 0)
+        if left:
+            self.message_user(
+                request,
+                ngettext(
+                    "The group changed since the page was opened: %(left)d of the %(shown)d "
+                    "events shown is no longer in it (published, retried, discarded, or "
+                    "failing for another reason) and was left alone.",
+                    "The group changed since the page was opened: %(left)d of the %(shown)d "
+                    "events shown are no longer in it (published, retried, discarded, or "
+                    "failing for another reason) and were left alone.",
+                    left,
+                )
+                % {"left": left, "shown": shown},
+                messages.WARNING,
+            )
+        if result.in_flight:
+            self.message_user(
+                request,
+                ngettext(
+                    "Left %(count)d event alone: a relay is publishing it right now.",
+                    "Left %(count)d events alone: a relay is publishing them right now.",
+                    result.in_flight,
+                )
+                % {"count": result.in_flight},
+                messages.WARNING,
+            )
+        whole = operations.FailureGroupSelection(
+            selection.fingerprint, selection.topic, selection.state
+        )
+        joined = whole.events().filter(failing_since__gt=selection.seen_at).count()
+        if joined:
+            self.message_user(
+                request,
+                ngettext(
+                    "%(count)d event joined the group after the page was opened and was left "
+                    "alone; open the group again to act on it.",
+                    "%(count)d events joined the group after the page was opened and were left "
+                    "alone; open the group again to act on them.",
+                    joined,
+                )
+                % {"count": joined},
+                messages.INFO,
+            )
+        logger.info(
+            "outbox failure group %s by %s: %d events",
+            action,
+            request.user.get_username(),
+            result.changed,
+            extra={
+                "outbox_failure_group": selection.fingerprint,
+                "outbox_action": action,
+                "outbox_topic": selection.topic,
+                "outbox_state": selection.state,
+                "outbox_count": result.changed,
+                "outbox_shown": shown,
+                "outbox_left": left,
+                "outbox_in_flight": result.in_flight,
+                "outbox_joined": joined,
+                "admin_user": request.user.get_username(),
+            },
+        )
 
     # --- actions ---
 
@@ -822,11 +1363,147 @@ class ProcessedMessageAdmin(OperationsAdmin):
         return health.elapsed(message.processed_at, timezone.now())
 
 
+class MessageFailureGroupFilter(admin.SimpleListFilter):
+    """The failed messages of one failure group, reached from the failure groups page; in the
+    sidebar only while chosen."""
+
+    title = _("failure group")
+    parameter_name = "failure"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        value = self.value()
+        if not value:
+            return []
+        newest = newest_failure(FailedMessage.objects.all(), str(value))
+        label = normalise(newest["last_error"]) if newest else str(value)
+        return [(str(value), Truncator(label).chars(80))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        value = self.value()
+        return queryset.filter(failure_fingerprint=value) if value else None
+
+
+class FailedMessageAdmin(OperationsAdmin):
+    """Messages whose handler raised, until it succeeds or an operator forgets them. The broker
+    holds the message and redelivers it; forgetting the record does not touch the message."""
+
+    list_display = ("consumer", "message_id", "attempts", "error_display", "last_failed")
+    list_filter = (ConsumerFilter, MessageFailureGroupFilter)
+    sortable_by = ()
+    search_fields = ("message_id", "consumer")
+    search_help_text = _("An exact message id or consumer.")
+    ordering = ("-pk",)
+    actions = ("forget_failures",)
+    change_list_template = "admin/django_idempotency/failed_message_change_list.html"
+    fields = (
+        *("consumer", "message_id", "attempts", "last_error_display", "failure_group_display"),
+        *("failing_since", "last_failed_at", "traceback_display"),
+    )
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).defer("failure_traceback")
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        url: str | None = None
+        if self.admin_site.is_registered(OutboxEvent):
+            url = reverse(f"{self.admin_site.name}:django_idempotency_outboxevent_failures")
+        context = {"failure_groups_url": url and f"{url}#consumers", **(extra_context or {})}
+        return super().changelist_view(request, context)
+
+    @admin.display(description=_("last error"))
+    def error_display(self, message: FailedMessage) -> str:
+        return Truncator(message.last_error).chars(60)
+
+    @admin.display(description=_("last failed"))
+    def last_failed(self, message: FailedMessage) -> str:
+        return _("%(age)s ago") % {"age": health.elapsed(message.last_failed_at, timezone.now())}
+
+    @admin.display(description=_("last error"))
+    def last_error_display(self, message: FailedMessage) -> SafeString:
+        return preformatted(message.last_error)
+
+    @admin.display(description=_("failure group"))
+    def failure_group_display(self, message: FailedMessage) -> SafeString:
+        opts = self.opts
+        changelist = reverse(
+            f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_changelist"
+        )
+        query = urlencode({"failure": message.failure_fingerprint})
+        return format_html(
+            '<a href="{}?{}">{}</a>', changelist, query, normalise(message.last_error)
+        )
+
+    @admin.display(description=_("traceback"))
+    def traceback_display(self, message: FailedMessage) -> SafeString | str:
+        return preformatted(message.failure_traceback) if message.failure_traceback else "–"
+
+    @admin.action(description=_("Forget selected failures…"), permissions=["delete"])
+    def forget_failures(
+        self, request: HttpRequest, queryset: QuerySet[Any]
+    ) -> TemplateResponse | None:
+        group = request.GET.get("failure") or None
+        if request.POST.get("post") == "yes":
+            forgotten = forget_failed_messages(queryset, failure_group=group)
+            self.message_user(
+                request,
+                ngettext(
+                    "Forgot %(count)d failed message.",
+                    "Forgot %(count)d failed messages.",
+                    forgotten,
+                )
+                % {"count": forgotten},
+                messages.SUCCESS if forgotten else messages.WARNING,
+            )
+            logger.info(
+                "inbox failures forgotten by %s: %d",
+                request.user.get_username(),
+                forgotten,
+                extra={
+                    "admin_user": request.user.get_username(),
+                    "inbox_count": forgotten,
+                    "inbox_failure_group": group,
+                },
+            )
+            return None
+        count = queryset.count()
+        return self.confirm_action(
+            request,
+            action="forget_failures",
+            title=gettext("Forget failed messages"),
+            question=gettext(
+                "The records of the failed messages below will be deleted: they leave their "
+                "failure groups. The messages themselves are the broker's, which redelivers "
+                "them or not as it would anyway; a message that fails again is recorded again. "
+                "Forget them?"
+            ),
+            objects=[
+                format_html(
+                    "{} {} — {}",
+                    self.change_link(message, message.message_id),
+                    message.consumer,
+                    Truncator(message.last_error).chars(120),
+                )
+                for message in queryset.order_by("-pk")[:GROUP_EVENTS_SHOWN]
+            ],
+            summary=ngettext(
+                "%(count)d failed message is selected.",
+                "%(count)d failed messages are selected; the latest 20 are listed.",
+                count,
+            )
+            % {"count": count},
+            confirm_label=gettext("Yes, forget them"),
+        )
+
+
 def register(site: admin.AdminSite = admin.site) -> None:
     """Register this app's admins on ``site`` (done for ``admin.site`` unless switched off)."""
     site.register(IdempotencyRecord, IdempotencyRecordAdmin)
     site.register(OutboxEvent, OutboxEventAdmin)
     site.register(ProcessedMessage, ProcessedMessageAdmin)
+    site.register(FailedMessage, FailedMessageAdmin)
 
 
 if conf.REGISTER_ADMIN:

@@ -89,6 +89,7 @@ __all__ = [
     "W023",
     "W024",
     "W025",
+    "W026",
     "W040",
     "W060",
     "W061",
@@ -136,6 +137,7 @@ W022 = "django_idempotency.W022"  # database without SELECT ... FOR UPDATE SKIP 
 W023 = "django_idempotency.W023"  # an idempotent consumer task without reject_on_worker_lost
 W024 = "django_idempotency.W024"  # OUTBOX_PUBLISHERS has no catch-all ("*") route
 W025 = "django_idempotency.W025"  # the default OUTBOX_KICK without Celery relays in-process
+W026 = "django_idempotency.W026"  # a NATS duplicate window shorter than the retry horizon
 # Redis fast path
 E040 = "django_idempotency.E040"  # CACHE_ALIAS is not None or a configured cache alias
 E041 = "django_idempotency.E041"  # CACHE_ALIAS names a cache that is not django-redis
@@ -661,6 +663,47 @@ def _redelivery_horizon(app: Any, tasks: list[Any], merged: Mapping[str, Any]) -
     return max(candidates)
 
 
+def _outbox_retry_horizon(merged: Mapping[str, Any]) -> float | None:
+    """The longest time between an event's first publish and its last retry: every backoff
+    at its ceiling until OUTBOX_MAX_ATTEMPTS, plus one relay lease (a relay that died between
+    publishing and recording it is replaced once its lease runs out). None while a setting is
+    invalid (E022/E023 say so)."""
+    base = _number("OUTBOX_BACKOFF_BASE_SECONDS", merged)
+    cap = _number("OUTBOX_BACKOFF_MAX_SECONDS", merged)
+    attempts = _integer("OUTBOX_MAX_ATTEMPTS", merged)
+    lease = _number("OUTBOX_RELAY_LEASE_SECONDS", merged)
+    if base is None or cap is None or attempts is None or lease is None:
+        return None
+    span = sum(min(cap, base * 2 ** min(n, 62)) for n in range(max(attempts - 1, 0)))
+    return float(span + lease)
+
+
+def _duplicate_window_below_horizon(c: Context) -> Iterator[Finding]:
+    """NATS routes whose declared duplicate window (the route's ``duplicate_window`` option,
+    JetStream's 120 s default when absent) the relay's retries can outlast. The server is not
+    asked: a check never opens a network connection."""
+    from django_idempotency.publishers.nats import DEFAULT_DUPLICATE_WINDOW, NATSPublisher
+    from django_idempotency.publishers.routing import route_setting
+
+    horizon = _outbox_retry_horizon(c.merged)
+    if horizon is None:
+        return
+    for pattern, route, backend in _publisher_classes(c):
+        if not (isinstance(backend, type) and issubclass(backend, NATSPublisher)):
+            continue
+        window = route.options.get("duplicate_window", DEFAULT_DUPLICATE_WINDOW)
+        if _is_number(window) and window < horizon:
+            declared = "duplicate_window" in route.options
+            yield {
+                "where": route_setting(pattern),
+                "window": window,
+                "source": "the route's duplicate_window"
+                if declared
+                else "JetStream's default; the route declares no duplicate_window",
+                "horizon": horizon,
+            }
+
+
 def _no_skip_locked(c: Context) -> Iterator[Finding]:
     """Asks the connection's features, so it runs only for the databases Django names."""
     from django.db import connections, router
@@ -977,6 +1020,16 @@ OUTBOX_CHECKS: tuple[Check, ...] = (
         "task_reject_on_worker_lost = True): with the prefork pool, Celery acknowledges the "
         "message of a pool process that died mid-task, and it is lost. Silence this only for "
         "a worker pool that is not prefork.",
+    ),
+    Check(
+        W026,
+        _duplicate_window_below_horizon,
+        "{where}: the NATS stream's duplicate window, {window:g} s ({source}), is shorter than "
+        "the relay's retry horizon of {horizon:g} s: an event retried after the window is "
+        "stored in the stream twice.",
+        "Raise the stream's duplicate window (nats stream edit --dupe-window) above the horizon "
+        "and declare it in the route's OPTIONS as 'duplicate_window' (seconds), or shorten the "
+        "horizon (OUTBOX_MAX_ATTEMPTS, OUTBOX_BACKOFF_*, OUTBOX_RELAY_LEASE_SECONDS).",
     ),
     Check(
         W022,

@@ -8,6 +8,7 @@ from django.utils.translation import gettext_lazy as _
 
 from django_idempotency.core.types import MAX_KEY_LENGTH, MAX_SCOPE_LENGTH
 from django_idempotency.querysets import (
+    FailedMessageQuerySet,
     IdempotencyRecordQuerySet,
     OutboxEventQuerySet,
     OutboxKeyLockQuerySet,
@@ -16,7 +17,13 @@ from django_idempotency.querysets import (
     RecordStatus,
 )
 
-__all__ = ["IdempotencyRecord", "OutboxEvent", "OutboxKeyLock", "ProcessedMessage"]
+__all__ = [
+    "FailedMessage",
+    "IdempotencyRecord",
+    "OutboxEvent",
+    "OutboxKeyLock",
+    "ProcessedMessage",
+]
 
 
 class IdempotencyRecord(models.Model):
@@ -217,6 +224,39 @@ class OutboxEvent(models.Model):
         blank=True,
         help_text=_("When the broker accepted the event."),
     )
+    # The failure columns are nullable with no default, like traceparent: adding them never
+    # rewrites the table. NULL while the event is not failing.
+    failure_fingerprint = models.CharField(  # noqa: DJ001
+        _("failure fingerprint"),
+        max_length=32,  # core.failures.FINGERPRINT_LENGTH
+        null=True,
+        blank=True,
+        help_text=_(
+            "Hash of the last error with ids, numbers and timestamps normalised away: the "
+            "failure group the admin lists the event in. Empty once published or retried."
+        ),
+    )
+    failing_since = models.DateTimeField(
+        _("failing since"),
+        null=True,
+        blank=True,
+        help_text=_("When the event first failed with its current failure fingerprint."),
+    )
+    last_failed_at = models.DateTimeField(
+        _("last failed at"),
+        null=True,
+        blank=True,
+        help_text=_("When the latest attempt to publish the event failed."),
+    )
+    failure_traceback = models.TextField(  # noqa: DJ001
+        _("failure traceback"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "Where the latest failure was raised: its frames, bounded in size; the messages "
+            "of the exceptions it was raised from are not stored."
+        ),
+    )
 
     objects = OutboxEventQuerySet.as_manager()
 
@@ -242,6 +282,12 @@ class OutboxEvent(models.Model):
             ),
             # The sweep of published events past OUTBOX_RETENTION_SECONDS.
             models.Index(fields=["status", "published_at"], name="django_idem_outbox_sweep_idx"),
+            # Failure groups: grouping reads only the entries of failing events (the others are
+            # NULL), a group's events are one range, and its newest failure is the range's end.
+            models.Index(
+                fields=["failure_fingerprint", "last_failed_at"],
+                name="django_idem_outbox_failure_idx",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -308,3 +354,75 @@ class ProcessedMessage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.consumer} / {self.message_id}"
+
+
+class FailedMessage(models.Model):
+    """A message whose handler raised, until it is handled or an operator forgets it.
+
+    Written after the handler's transaction rolled back (so it survives it), in a transaction of
+    its own; deleted in the transaction that finally handles the message. The admin groups these
+    by failure fingerprint like failed outbox events. The message itself lives in the broker,
+    which redelivers it; this row only says why handling it failed.
+    """
+
+    consumer = models.CharField(
+        _("consumer"),
+        max_length=255,
+        help_text=_("Who failed to handle the message, by default the Celery task's name."),
+    )
+    message_id = models.CharField(
+        _("message id"),
+        max_length=255,
+        help_text=_("The message's id: the outbox event id, or the broker's message id."),
+    )
+    attempts = models.PositiveIntegerField(
+        _("attempts"), default=1, help_text=_("How many times handling the message failed.")
+    )
+    last_error = models.TextField(
+        _("last error"), help_text=_("Why the last attempt failed: the exception's type and text.")
+    )
+    failure_fingerprint = models.CharField(
+        _("failure fingerprint"),
+        max_length=32,  # core.failures.FINGERPRINT_LENGTH
+        help_text=_(
+            "Hash of the last error with ids, numbers and timestamps normalised away: the "
+            "failure group the admin lists the message in."
+        ),
+    )
+    failing_since = models.DateTimeField(
+        _("failing since"),
+        help_text=_("When handling the message first failed with its current fingerprint."),
+    )
+    last_failed_at = models.DateTimeField(
+        _("last failed at"), help_text=_("When the latest attempt to handle the message failed.")
+    )
+    failure_traceback = models.TextField(
+        _("failure traceback"),
+        blank=True,
+        default="",
+        help_text=_(
+            "Where the latest failure was raised: its frames, bounded in size; the messages "
+            "of the exceptions it was raised from are not stored."
+        ),
+    )
+
+    objects = FailedMessageQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("failed message")
+        verbose_name_plural = _("failed messages")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["consumer", "message_id"],
+                name="django_idempotency_failed_message_uniq",
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["failure_fingerprint", "last_failed_at"],
+                name="django_idem_failed_msg_idx",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.consumer} / {self.message_id} (failed {self.attempts}x)"

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import models
-from django.db.models import Q
+from django.db.models import Count, F, Max, Min, Q
 from django.utils import timezone
 
 from django_idempotency.core import statemachine
 
 __all__ = [
     "COMPLETED",
+    "FailedMessageQuerySet",
     "IdempotencyRecordQuerySet",
     "OUTBOX_KEY_BUCKETS",
     "OutboxEventQuerySet",
@@ -36,6 +38,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from django_idempotency.models import (  # noqa: F401  (named in strings)
+        FailedMessage,
         IdempotencyRecord,
         OutboxEvent,
         OutboxKeyLock,
@@ -184,6 +187,35 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
     def in_relay_order(self) -> OutboxEventQuerySet:
         return self.order_by(*RELAY_ORDER)
 
+    def in_failure_group(self, fingerprint: str) -> OutboxEventQuerySet:
+        """The failed events of one failure group (see ``core/failures.py``)."""
+        return self.failed().filter(failure_fingerprint=fingerprint)
+
+    def failure_groups(self) -> models.QuerySet[OutboxEvent, Mapping[str, Any]]:
+        """One row per failure group among the failed events here, seen most recently first.
+
+        Each row: ``failure_fingerprint``; ``events`` and ``dead`` (how many of them are DEAD,
+        the others wait for a retry); ``topics`` (how many) and ``topic`` (the first by name);
+        ``first_seen`` (the earliest ``failing_since``) and ``last_seen`` (the latest
+        ``last_failed_at``), None for events fingerprinted by the upgrade, whose failure time
+        is unknown. Reads the failure index's entries of failing events only, however large
+        the table.
+        """
+        return (
+            self.failed()
+            .filter(failure_fingerprint__isnull=False)
+            .values("failure_fingerprint")
+            .annotate(
+                events=Count("pk"),
+                dead=Count("pk", filter=Q(status=OutboxStatus.DEAD)),
+                topics=Count("topic", distinct=True),
+                topic=Min("topic"),
+                first_seen=Min("failing_since"),
+                last_seen=Max("last_failed_at"),
+            )
+            .order_by(F("last_seen").desc(nulls_last=True), "failure_fingerprint")
+        )
+
 
 class OutboxKeyLockQuerySet(models.QuerySet["OutboxKeyLock"]):
     def lock(self, key: str) -> None:
@@ -207,3 +239,27 @@ class ProcessedMessageQuerySet(models.QuerySet["ProcessedMessage"]):
     def processed_before(self, cutoff: datetime) -> ProcessedMessageQuerySet:
         """What the sweep deletes: processed longer ago than the retention."""
         return self.filter(processed_at__lt=cutoff)
+
+
+class FailedMessageQuerySet(models.QuerySet["FailedMessage"]):
+    def for_message(self, consumer: str, message_id: str) -> FailedMessageQuerySet:
+        return self.filter(consumer=consumer, message_id=message_id)
+
+    def in_failure_group(self, fingerprint: str) -> FailedMessageQuerySet:
+        return self.filter(failure_fingerprint=fingerprint)
+
+    def failure_groups(self) -> models.QuerySet[FailedMessage, Mapping[str, Any]]:
+        """One row per failure group, seen most recently first: ``failure_fingerprint``,
+        ``messages``, ``consumers`` (how many) and ``consumer`` (the first by name),
+        ``first_seen``, ``last_seen``; as :meth:`OutboxEventQuerySet.failure_groups`."""
+        return (
+            self.values("failure_fingerprint")
+            .annotate(
+                messages=Count("pk"),
+                consumers=Count("consumer", distinct=True),
+                consumer=Min("consumer"),
+                first_seen=Min("failing_since"),
+                last_seen=Max("last_failed_at"),
+            )
+            .order_by("-last_seen", "failure_fingerprint")
+        )

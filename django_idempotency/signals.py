@@ -14,6 +14,9 @@ __all__ = [
     "event_dead",
     "event_enqueued",
     "event_published",
+    "events_discarded",
+    "events_retried",
+    "failures_forgotten",
     "fast_path_failed",
     "key_claimed",
     "key_released",
@@ -82,11 +85,26 @@ publish_failed = Signal()
 #: kwargs: ``event``, ``error``.
 event_dead = Signal()
 
+#: An operator retried failed events (an admin action, ``operations.retry_events`` or
+#: ``retry_failure_group``); sent once the last batch committed, also when none changed.
+#: kwargs: ``count`` (events queued again), ``failure_group`` (the group's fingerprint, or None
+#: for a selection of events).
+events_retried = Signal()
+
+#: An operator discarded failed events, as for ``events_retried``. kwargs: ``count`` (events
+#: deleted), ``failure_group``.
+events_discarded = Signal()
+
 # --- Layer 2: idempotent consumers. Sent with ``sender`` = ProcessedMessage. -------------------
 
 #: A consumer received a message it had already processed and skipped it.
 #: kwargs: ``consumer``, ``message_id``.
 duplicate_skipped = Signal()
+
+#: An operator forgot the records of failed messages (the admin's action,
+#: ``inbox.operator.forget_failed_messages``); sent with ``sender`` = FailedMessage once the last
+#: batch committed. kwargs: ``count``, ``failure_group`` (a fingerprint, or None).
+failures_forgotten = Signal()
 
 # --- Sweeps. Sent with ``sender`` = the model swept. --------------------------------------------
 

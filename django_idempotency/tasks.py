@@ -1,13 +1,17 @@
 """Celery tasks: thin wrappers over the plain functions the management commands call too.
 
-Every task is ``acks_late`` (a worker that dies mid-task leaves the message to be redelivered)
-and safe to run concurrently with itself: relays coordinate through leases, sweeps through
-re-checked deletes. The module imports without Celery; the functions then stay plain functions,
-and the default ``OUTBOX_KICK`` (:func:`kick_relay`) relays in a thread of the process instead
-of queueing a task.
+Every task is ``acks_late`` and ``reject_on_worker_lost``: a worker that dies mid-task, or a
+prefork pool process killed under it, leaves the message to be delivered again. That is safe
+because every task is safe to run again and concurrently with itself: relays coordinate through
+leases, sweeps delete in batches that each re-check their condition, so a sweep killed half-way
+and run again finishes the job. The module imports without Celery; the functions then stay
+plain functions, and the default ``OUTBOX_KICK`` (:func:`kick_relay`) relays in a thread of the
+process instead of queueing a task.
 
-Merge :data:`BEAT_SCHEDULE` into ``CELERY_BEAT_SCHEDULE``; django-celery-beat's
-``DatabaseScheduler`` reads that setting too.
+Merge :data:`BEAT_SCHEDULE` into ``CELERY_BEAT_SCHEDULE`` for Celery's own scheduler. With
+django-celery-beat's ``DatabaseScheduler`` call :func:`install_periodic_tasks` instead (the
+``idempotency_periodic_tasks`` command does): that scheduler rewrites the periodic tasks named
+in the setting from it at every start, which would undo any change made in the admin.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from django_idempotency.conf import conf
 
 __all__ = [
     "BEAT_SCHEDULE",
+    "install_periodic_tasks",
     "kick_relay",
     "relay_outbox",
     "sweep_idempotency_records",
@@ -42,7 +47,7 @@ except ImportError:  # pragma: no cover - exercised only without Celery installe
 def _task(func: F) -> F:
     if _shared_task is None:  # pragma: no cover
         return func
-    task: F = _shared_task(acks_late=True, ignore_result=False)(func)
+    task: F = _shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=False)(func)
     return task
 
 
@@ -166,22 +171,80 @@ def kick_relay(using: str) -> None:
     _kicker.kick(using)
 
 
-#: Ready to merge: ``CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE, ...}``. Seconds between runs.
+#: Ready to merge: ``CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE, ...}``. Seconds between runs; each
+#: message expires before the next run is sent, so a stopped worker finds at most one waiting per
+#: entry (the broker drops the others) instead of a backlog to run back to back.
 BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     "django-idempotency-relay-outbox": {
         "task": "django_idempotency.tasks.relay_outbox",
         "schedule": 10.0,
+        "options": {"expires": 9.0},
     },
     "django-idempotency-sweep-records": {
         "task": "django_idempotency.tasks.sweep_idempotency_records",
         "schedule": 3600.0,
+        "options": {"expires": 3000.0},
     },
     "django-idempotency-sweep-outbox": {
         "task": "django_idempotency.tasks.sweep_outbox_events",
         "schedule": 3600.0,
+        "options": {"expires": 3000.0},
     },
     "django-idempotency-sweep-inbox": {
         "task": "django_idempotency.tasks.sweep_processed_messages",
         "schedule": 3600.0,
+        "options": {"expires": 3000.0},
     },
 }
+
+
+def install_periodic_tasks(*, reset: bool = False, dry_run: bool = False) -> dict[str, str]:
+    """Write :data:`BEAT_SCHEDULE` into django-celery-beat's periodic tasks, once.
+
+    An entry missing from the database is created; one already there is kept as it is (its
+    interval or expiry changed in the admin, disabled), unless ``reset`` puts the shipped task,
+    arguments, interval and expiry back and enables it (its queue and routing stay as they
+    are). Returns ``{entry name: "created" | "kept" | "reset"}``: what was done, or with
+    ``dry_run`` what would be. Needs django-celery-beat in ``INSTALLED_APPS``.
+    """
+    from django.db import router, transaction
+    from django_celery_beat.models import (  # type: ignore[import-untyped]
+        IntervalSchedule,
+        PeriodicTask,
+    )
+
+    using = router.db_for_write(PeriodicTask)
+    outcomes: dict[str, str] = {}
+    for name, entry in BEAT_SCHEDULE.items():
+        with transaction.atomic(using=using):
+            exists = PeriodicTask.objects.using(using).filter(name=name).exists()
+            outcomes[name] = ("reset" if reset else "kept") if exists else "created"
+            if dry_run or outcomes[name] == "kept":
+                continue
+            every = int(entry["schedule"])
+            interval = (
+                IntervalSchedule.objects.using(using)
+                .filter(every=every, period=IntervalSchedule.SECONDS)
+                .order_by("pk")
+                .first()
+            ) or IntervalSchedule.objects.using(using).create(
+                every=every, period=IntervalSchedule.SECONDS
+            )
+            # save(), not a queryset update: it bumps the change marker a running beat polls.
+            PeriodicTask.objects.using(using).update_or_create(
+                name=name,
+                defaults={
+                    "task": entry["task"],
+                    "args": "[]",
+                    "kwargs": "{}",
+                    "interval": interval,
+                    "crontab": None,
+                    "solar": None,
+                    "clocked": None,
+                    "one_off": False,
+                    "enabled": True,
+                    "expires": None,
+                    "expire_seconds": int(entry["options"]["expires"]),
+                },
+            )
+    return outcomes

@@ -1,4 +1,4 @@
-"""Test helpers for projects using the outbox and idempotent consumers.
+"""Test helpers for projects using the outbox, idempotent consumers and the sweeps.
 
 The pytest plugin (``pytest_plugin.py``, loaded automatically) wraps these in fixtures; they are
 plain functions so unittest-style tests can use them too.
@@ -10,9 +10,11 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
-from django.db import connections
+from django.db import connections, models
+from django.db.models import F
 
 from django_idempotency import signals
 from django_idempotency.models import OutboxEvent
@@ -23,6 +25,7 @@ from django_idempotency.publishers.memory import broker
 __all__ = [
     "MEMORY_ROUTES",
     "OutboxRecorder",
+    "age",
     "assert_publishes",
     "capture_events",
     "deliver_concurrently",
@@ -153,3 +156,24 @@ def deliver_concurrently(
     for thread in threads:
         thread.join(timeout)
     return results
+
+
+def age(rows: models.Model | models.QuerySet[Any], by: timedelta) -> int:
+    """Make rows ``by`` older: move every date-time column of theirs that long into the past.
+
+    For records, events and markers written now that a test wants the sweeps (or a TTL, or a
+    lease) to treat as old: ``age(ProcessedMessage.objects.all(), by=timedelta(days=15))``.
+    Every column moves, so the rows stay as consistent as they were (a record's expiry stays
+    ``TTL_SECONDS`` after its completion). Takes a queryset or one saved instance (which is not
+    refreshed); returns how many rows changed.
+    """
+    if isinstance(rows, models.Model):
+        rows = type(rows)._default_manager.using(rows._state.db).filter(pk=rows.pk)
+    columns = [
+        field.attname
+        for field in rows.model._meta.concrete_fields
+        if isinstance(field, models.DateTimeField)
+    ]
+    if not columns:
+        raise TypeError(f"{rows.model.__name__} has no date-time column to make older")
+    return rows.update(**{column: F(column) - by for column in columns})

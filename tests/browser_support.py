@@ -98,15 +98,17 @@ def set_width(driver: Any, width: int) -> None:
 
 
 def clipped(driver: Any) -> list[str]:
-    """What on the page ends beyond the right edge of the space it is shown in: changelist
-    header cells past their scrolling results box or the viewport, and change-page rows and
-    fieldsets past the viewport. An empty list when nothing needs scrolling sideways."""
+    """What on the page ends beyond the right edge of the space it is shown in: header cells of
+    a changelist (or any results table) past their scrolling results box or the viewport, and
+    change-page rows and fieldsets past the viewport. An empty list when nothing needs scrolling
+    sideways."""
     return driver.execute_script(
         """
         const viewport = document.documentElement.clientWidth;
         const cut = [];
         const label = (el) => (el.textContent.trim().split("\\n")[0] || el.className).trim();
-        for (const th of document.querySelectorAll("#result_list thead th")) {
+        for (const th of document.querySelectorAll("#result_list thead th, "
+                                                   + "#content .results thead th")) {
             const box = th.closest(".results") || document.documentElement;
             const right = Math.min(viewport, box.getBoundingClientRect().right);
             if (th.getBoundingClientRect().right > right + 0.5) cut.push(label(th));

@@ -13,7 +13,12 @@ from django.urls import reverse
 from django.utils import timezone
 
 from django_idempotency.admin import MAX_INDENT_DEPTH, pretty_json
-from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
+from django_idempotency.models import (
+    FailedMessage,
+    IdempotencyRecord,
+    OutboxEvent,
+    ProcessedMessage,
+)
 from tests.admin_support import login, messages_of, post_action
 from tests.factories import IdempotencyRecordFactory
 
@@ -374,7 +379,7 @@ def test_no_permission_no_page(records):
 def test_registration_can_be_switched_off():
     from django_idempotency import admin as idempotency_admin
 
-    models = (IdempotencyRecord, OutboxEvent, ProcessedMessage)
+    models = (IdempotencyRecord, OutboxEvent, ProcessedMessage, FailedMessage)
     for model in models:
         admin.site.unregister(model)
     try:

@@ -1,6 +1,7 @@
 """End to end in headless Chromium, at a laptop's 1280 px: log in, filter stuck keys, release
 one from the list and one from its own page, check the rest; filter failed outbox events and
-retry one. Every changelist and change page is checked for columns cut off on the right.
+retry one; requeue a failure group that changes while its confirmation page is open. Every
+changelist, change page and failure groups page is checked for columns cut off on the right.
 
 The screenshots are those of docs/operations-admin.md: they go to ``artifacts/browser/``
 (git-ignored) under the names docs/img uses; look at them, then
@@ -9,13 +10,17 @@ The screenshots are those of docs/operations-admin.md: they go to ``artifacts/br
 
 from __future__ import annotations
 
+import socket
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.utils import timezone
 
+from django_idempotency.core.failures import fingerprint_of
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
 from tests.browser_support import (
     ARTIFACTS,
@@ -224,3 +229,148 @@ def test_outbox_filter_failed_events_and_retry_one(browser, live_server):
     assert_nothing_cut_off(browser, "an outbox event's page")
     assert "Transaction id" not in browser.find_element(By.CSS_SELECTOR, "#content-main").text
     screenshot(browser, "admin-outbox-detail", height=1600)
+
+
+def webhook_timeout() -> tuple[str, str]:
+    """The error and the traceback the relay stores when a real webhook times out: a socket
+    that accepts connections (the kernel does) and never answers."""
+    from django_idempotency.core.failures import describe, failure_traceback
+    from django_idempotency.exceptions import PublishError
+    from django_idempotency.publishers import OutboxMessage
+    from django_idempotency.publishers.webhook import WebhookPublisher
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        url = f"http://127.0.0.1:{port}/hooks/{'9f' * 12}?token=XYZ"
+        publisher = WebhookPublisher(url=url, secret="s3cret", timeout=0.3)
+        message = OutboxMessage.from_event(OutboxEventFactory.build(topic="partners.invoice"))
+        try:
+            publisher.publish(message)
+        except PublishError as exc:
+            return describe(exc), failure_traceback(exc)
+        finally:
+            publisher.close()
+    raise AssertionError("the webhook did not time out")
+
+
+def failed_event(error: str, topic: str, minutes: float, **fields: Any) -> OutboxEvent:
+    """An event the relay failed ``minutes`` ago with ``error``, grouped as the relay does."""
+    now = timezone.now()
+    return OutboxEventFactory(
+        topic=topic,
+        last_error=error,
+        failure_fingerprint=fingerprint_of(error),
+        failing_since=now - timedelta(minutes=minutes),
+        last_failed_at=now - timedelta(minutes=minutes / 4),
+        payload={"order_id": int(minutes * 10), "amount": "25.00", "currency": "EUR"},
+        **fields,
+    )
+
+
+def test_failure_groups_requeue_a_group_that_changed_meanwhile(browser, live_server):
+    from selenium.webdriver.common.by import By
+
+    timeout, traceback = webhook_timeout()
+    assert "XYZ" not in traceback and "9f9f9f" not in traceback  # redacted by the publisher
+    outage = [
+        failed_event(timeout, "partners.invoice", minutes, key=f"inv-{n}", **state)
+        for n, (minutes, state) in enumerate(
+            [
+                (95, {"dead": True}),
+                (90, {"dead": True}),
+                (70, {"dead": True}),
+                (40, {"dead": True}),
+                (12, {"failing": True}),
+                (8, {"failing": True}),
+            ]
+        )
+    ]
+    for event in outage:
+        OutboxEvent.objects.filter(pk=event.pk).update(
+            last_error=timeout, failure_traceback=traceback
+        )
+    for order in (1041, 1042):
+        failed_event(
+            "PublishError: unroutable: no queue bound for 'refunds.issued'",
+            "refunds.issued",
+            minutes=order - 1000,
+            key=f"order-{order}",
+            dead=True,
+        )
+    OutboxEventFactory.create_batch(3, published=True)
+    # A consumer failing for one reason, recorded as consume_once records it.
+    from django_idempotency.inbox import consume_once
+
+    for n in (7, 8, 9):
+        try:
+            with consume_once("ledger.post", f"msg-{n}"):
+                raise LookupError(f"no ledger account for customer {n * 1111}")
+        except LookupError:
+            pass
+
+    log_in(browser, live_server, "/admin/django_idempotency/outboxevent/")
+    wait_for(browser, "#idempotency-health")
+    browser.find_element(By.CSS_SELECTOR, "a.idempotency-failure-groups-link").click()
+    wait_for(browser, "#failure-groups")
+    assert_nothing_cut_off(browser, "the failure groups page")
+    fold_navigation(browser)
+    assert_nothing_cut_off(browser, "the failure groups page, navigation folded")
+    consumers = browser.find_element(By.CSS_SELECTOR, "#message-failure-groups tr.failure-group")
+    assert consumers.find_element(By.CSS_SELECTOR, "code").text == (
+        "LookupError: no ledger account for customer <n>"
+    )
+    assert consumers.find_element(By.CSS_SELECTOR, ".field-events").text == "3"
+    rows = browser.find_elements(By.CSS_SELECTOR, "#failure-groups tr.failure-group")
+    signatures = [row.find_element(By.CSS_SELECTOR, "code").text for row in rows]
+    assert signatures == [
+        "PublishError: webhook http://<n>.<n>.<n>.<n>:<n>/hooks/***?token=*** failed: ReadTimeout",
+        "PublishError: unroutable: no queue bound for 'refunds.issued'",
+    ]
+    webhook = rows[0]
+    assert webhook.find_element(By.CSS_SELECTOR, ".field-events").text == ("6\n4 dead, 2 retrying")
+    newest = browser.find_elements(By.CSS_SELECTOR, "#failure-groups tr.failure-group-traceback")
+    newest[0].find_element(By.CSS_SELECTOR, "details summary").click()
+    shown = newest[0].find_element(By.CSS_SELECTOR, "details pre")
+    # A tall traceback opens at its end, where the exception is; its first frames are above.
+    opens_at_end = browser.execute_script(
+        """const box = arguments[0].parentElement, pre = arguments[0].getBoundingClientRect();
+        const shown = box.getBoundingClientRect();
+        return pre.top < shown.top && Math.abs(pre.bottom - shown.bottom) < 2;""",
+        shown,
+    )
+    assert opens_at_end
+    assert shown.is_displayed() and "httpx.ReadTimeout (message not stored)" in shown.text
+    assert_nothing_cut_off(browser, "the failure groups page, a traceback open")
+    screenshot(browser, "admin-failure-groups", height=1350)
+
+    # The group's events, from its row.
+    webhook.find_element(By.LINK_TEXT, "Show events").click()
+    wait_for(browser, "#changelist-filter")
+    assert shown_keys(browser) == {f"inv-{n}" for n in range(6)}
+    browser.back()
+
+    wait_for(browser, "#failure-groups")
+    browser.find_element(By.CSS_SELECTOR, "tr.failure-group a.idempotency-requeue").click()
+    count = wait_for(browser, ".idempotency-group-count")
+    assert count.text == "6 failed events will be sent again now (4 dead, 2 waiting for a retry)."
+    assert_nothing_cut_off(browser, "the requeue confirmation")
+    screenshot(browser, "admin-failure-group-requeue")
+
+    # While the page is open, a relay publishes one of the retrying events.
+    OutboxEvent.objects.filter(pk=outage[5].pk).update(
+        status="PUBLISHED", published_at=timezone.now(), failure_fingerprint=None
+    )
+    browser.find_element(By.CSS_SELECTOR, "#content form input[type=submit]").click()
+    success = wait_for(browser, "ul.messagelist li.success")
+    assert success.text == "Requeued 5 events of the failure group."
+    warning = browser.find_element(By.CSS_SELECTOR, "ul.messagelist li.warning").text
+    assert warning.startswith("The group changed since the page was opened: 1 of the 6 events")
+    screenshot(browser, "admin-failure-group-requeued")
+    statuses = dict(
+        OutboxEvent.objects.filter(pk__in=[e.pk for e in outage]).values_list("key", "status")
+    )
+    assert statuses == {**{f"inv-{n}": "PENDING" for n in range(5)}, "inv-5": "PUBLISHED"}
+    remaining = browser.find_elements(By.CSS_SELECTOR, "#failure-groups tr.failure-group code")
+    assert [code.text for code in remaining] == [signatures[1]]

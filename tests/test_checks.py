@@ -26,6 +26,7 @@ pytestmark = pytest.mark.django_db(databases="__all__")
 
 MEMORY = "django_idempotency.publishers.memory.MemoryPublisher"
 WEBHOOK = "django_idempotency.publishers.webhook.WebhookPublisher"
+NATS = "django_idempotency.publishers.nats.NATSPublisher"
 OURS = checks.MIDDLEWARE
 AUTH = "django.contrib.auth.middleware.AuthenticationMiddleware"
 SESSIONS = "django.contrib.sessions.middleware.SessionMiddleware"
@@ -278,6 +279,19 @@ SCENARIOS: dict[str, tuple[Scenario, Scenario]] = {
     checks.W021: (
         lambda p: p.consumer(acks_late=False),
         lambda p: p.consumer(acks_late=True, reject_on_worker_lost=True),
+    ),
+    checks.W026: (
+        lambda p: p.idempotency(
+            OUTBOX_PUBLISHERS={"*": {"BACKEND": NATS, "OPTIONS": {"servers": "nats://n:4222"}}}
+        ),
+        lambda p: p.idempotency(
+            OUTBOX_PUBLISHERS={
+                "*": {
+                    "BACKEND": NATS,
+                    "OPTIONS": {"servers": "nats://n:4222", "duplicate_window": 3600},
+                }
+            }
+        ),
     ),
     checks.W022: (no_skip_locked, lambda p: setattr(p, "arguments", ["--database", "default"])),
     checks.W023: (

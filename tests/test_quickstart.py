@@ -4,19 +4,26 @@ to the outbox relay, running the page's own code blocks.
 Each block the test runs is marked in the page by an HTML comment just above it, with at most a
 blank line between them (invisible in the rendered docs):
 
-``<!-- quickstart: run -->``                 run the shell block (``expect="..."``: in its output)
+``<!-- quickstart: run -->``                 run the shell block (``expect="..."``: in its output;
+                                              with ``log=NAME``: wait for it in process NAME's)
 ``<!-- quickstart: write <path> -->``        write the block to the file
 ``<!-- quickstart: append <path> -->``       append the block to the file
 ``<!-- quickstart: serve -->``               start the block's server and wait until it answers
+``<!-- quickstart: start NAME ready="..." -->``  start the block's command in the background as
+                                              NAME (stopping the one of that name first, as
+                                              Ctrl-C would) and wait for ``ready`` in its output
 ``<!-- quickstart: request status=N [replay=true|false] -->``  run the block's ``curl -si`` and
                                               check the status and ``Idempotent-Replay``
 
+Other pages are followed the same way with a marker word of their own
+(``tests/test_howto_celery_beat.py``: ``<!-- howto: ... -->``).
+
 Only two things change on the way: the checkout's path for ``/path/to/django-idempotency`` and a
-free port for ``127.0.0.1:8000``; and ``runserver`` gets ``--noreload`` (nothing here edits
-files while it runs). A fresh virtual environment rather than this test run's interpreter, so
-that the page is followed as a new user follows it: with only the ``drf`` extra installed (no
-Celery, no drf-spectacular), from ``startproject``'s own settings; it costs a few seconds of
-``pip install`` from the package index.
+free port for ``127.0.0.1:8000`` (a page's test may name more, see ``Reader.replacements``); and
+``runserver`` gets ``--noreload`` (nothing here edits files while it runs). A fresh virtual
+environment rather than this test run's interpreter, so that the page is followed as a new user
+follows it: with only the ``drf`` extra installed (no Celery, no drf-spectacular), from
+``startproject``'s own settings; it costs a few seconds of ``pip install`` from the package index.
 """
 
 from __future__ import annotations
@@ -39,10 +46,9 @@ from tests.slow import ROOT, fresh_venv, once_per_run, run, venv_environment
 pytestmark = once_per_run
 
 PAGE = ROOT / "docs" / "quickstart.md"
-BLOCK = re.compile(
-    r"^(?P<indent>[ \t]*)<!-- quickstart: (?P<marker>[^>]*?) -->\n\n?"
-    r"(?P=indent)```[^\n]*\n(?P<body>.*?)\n(?P=indent)```[ \t]*$",
-    flags=re.MULTILINE | re.DOTALL,
+BLOCK = (
+    r"^(?P<indent>[ \t]*)<!-- {word}: (?P<marker>[^>]*?) -->\n\n?"
+    r"(?P=indent)```[^\n]*\n(?P<body>.*?)\n(?P=indent)```[ \t]*$"
 )
 PLACEHOLDER_CHECKOUT = "/path/to/django-idempotency"
 PLACEHOLDER_ADDRESS = "127.0.0.1:8000"
@@ -59,10 +65,10 @@ class Step:
         return f"quickstart: {self.action} {' '.join(self.arguments)}\n{self.body}"
 
 
-def steps(page: str) -> list[Step]:
-    """The marked code blocks of the page, in order, dedented."""
+def steps(page: str, word: str = "quickstart") -> list[Step]:
+    """The code blocks of the page marked ``<!-- word: ... -->``, in order, dedented."""
     found = []
-    for match in BLOCK.finditer(page):
+    for match in re.finditer(BLOCK.format(word=word), page, flags=re.MULTILINE | re.DOTALL):
         action, *rest = shlex.split(match["marker"])
         options = dict(word.split("=", 1) for word in rest if "=" in word)
         arguments = [word for word in rest if "=" not in word]
@@ -80,11 +86,19 @@ class Reader:
     env: dict[str, str]
     port: int
     servers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    #: Processes started by ``start`` steps, and their output files, by name.
+    background: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+    #: Text of the page replaced on the way, beside the checkout and the address.
+    replacements: dict[str, str] = field(default_factory=dict)
 
     def literal(self, text: str) -> str:
-        return text.replace(PLACEHOLDER_CHECKOUT, str(ROOT)).replace(
+        text = text.replace(PLACEHOLDER_CHECKOUT, str(ROOT)).replace(
             PLACEHOLDER_ADDRESS, f"127.0.0.1:{self.port}"
         )
+        for placeholder, value in self.replacements.items():
+            text = text.replace(placeholder, value)
+        return text
 
     def shell(self, script: str) -> str:
         """Run a shell block where the reader stands; follow its ``cd``."""
@@ -113,6 +127,36 @@ class Reader:
         while not self.answers():
             assert server.poll() is None, (self.cwd / "server.log").read_text()
             assert time.monotonic() < deadline, "runserver did not answer within 60 s"
+            time.sleep(0.2)
+
+    def start(self, name: str, command: str, ready: str) -> None:
+        """Run ``command`` in the background as ``name``, once ``ready`` is in its output."""
+        if name in self.background:
+            stop(self.background.pop(name))
+        log_path = self.cwd / f"{name}.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                ["bash", "-c", f"exec {self.literal(command)}"],
+                cwd=self.cwd,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.background[name], self.logs[name] = process, log_path
+        self.wait_for_output(name, ready)
+
+    def output(self, name: str) -> str:
+        return self.logs[name].read_text(errors="replace")
+
+    def wait_for_output(self, name: str, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output(name):
+            process = self.background[name]
+            assert process.poll() is None, f"{name} exited:\n{self.output(name)[-3000:]}"
+            assert time.monotonic() < deadline, (
+                f"{name} did not print {text!r} within {timeout} s:\n{self.output(name)[-3000:]}"
+            )
             time.sleep(0.2)
 
     def answers(self) -> bool:
@@ -147,8 +191,39 @@ def reader_in(workdir: Path) -> Iterator[Reader]:
     try:
         yield reader
     finally:
-        for server in reader.servers:
+        for server in [*reader.servers, *reader.background.values()]:
             stop(server)
+
+
+def follow(page_steps: list[Step], reader: Reader, page: Path) -> None:
+    """Do what each marked block says, in order, as the reader."""
+    for step in page_steps:
+        if step.action == "run":
+            output = reader.shell(step.body)
+            if "expect" in step.options and "log" in step.options:
+                reader.wait_for_output(step.options["log"], step.options["expect"])
+            elif "expect" in step.options:
+                assert step.options["expect"] in output, f"{step}\n--- output:\n{output}"
+        elif step.action in ("write", "append"):
+            (path,) = step.arguments
+            target = reader.cwd / path
+            assert target.parent.is_dir(), f"{step}: {target.parent} does not exist"
+            mode = "a" if step.action == "append" else "w"
+            with target.open(mode) as file:
+                file.write(("\n" if mode == "a" else "") + reader.literal(step.body) + "\n")
+        elif step.action == "serve":
+            reader.serve(step.body)
+        elif step.action == "start":
+            (name,) = step.arguments
+            reader.start(name, step.body, step.options["ready"])
+        elif step.action == "request":
+            status, headers, body = parse_curl(reader.shell(step.body))
+            expected = int(step.options["status"])
+            assert status == expected, f"{step}\n--- answer:\n{body[:2000]}"
+            if "replay" in step.options:
+                assert headers.get("idempotent-replay") == step.options["replay"], step
+        else:
+            pytest.fail(f"unknown step {step.action!r} in {page}")
 
 
 def test_the_page_marks_every_step_the_test_needs() -> None:
@@ -162,28 +237,7 @@ def test_the_page_marks_every_step_the_test_needs() -> None:
 def test_the_quickstart_works_as_written(tmp_path: Path) -> None:
     page_steps = steps(PAGE.read_text())
     with reader_in(tmp_path) as reader:
-        for step in page_steps:
-            if step.action == "run":
-                output = reader.shell(step.body)
-                if "expect" in step.options:
-                    assert step.options["expect"] in output, f"{step}\n--- output:\n{output}"
-            elif step.action in ("write", "append"):
-                (path,) = step.arguments
-                target = reader.cwd / path
-                assert target.parent.is_dir(), f"{step}: {target.parent} does not exist"
-                mode = "a" if step.action == "append" else "w"
-                with target.open(mode) as file:
-                    file.write(("\n" if mode == "a" else "") + step.body + "\n")
-            elif step.action == "serve":
-                reader.serve(step.body)
-            elif step.action == "request":
-                status, headers, body = parse_curl(reader.shell(step.body))
-                expected = int(step.options["status"])
-                assert status == expected, f"{step}\n--- answer:\n{body[:2000]}"
-                if "replay" in step.options:
-                    assert headers.get("idempotent-replay") == step.options["replay"], step
-            else:
-                pytest.fail(f"unknown step {step.action!r} in {PAGE}")
+        follow(page_steps, reader, PAGE)
         # What the page promises, checked behind its back: one payment, refunded, one event.
         state = reader.shell(
             "python manage.py shell --verbosity 0 -c '"

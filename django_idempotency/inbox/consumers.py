@@ -4,6 +4,10 @@ The marker ``(consumer, message_id)`` is inserted first. A redelivered message h
 constraint and is skipped; a concurrent duplicate waits on the first one's uncommitted row and
 is skipped once it commits (or runs, if it rolled back); a handler that fails rolls its marker
 back with its writes, so the redelivery runs again.
+
+A failure is written down (``FailedMessage``, with its failure fingerprint) after the handler's
+transaction rolled back, so the admin can group failed messages; the transaction that finally
+handles the message deletes that record with the marker's insert, so both commit or neither.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from django.db import IntegrityError, router, transaction
+from django.db import DatabaseError, IntegrityError, models, router, transaction
 from django.utils import timezone
 
 from django_idempotency import signals, tracing
+from django_idempotency.core.failures import describe, failure_fingerprint, failure_traceback
 from django_idempotency.exceptions import IdempotencyError
-from django_idempotency.models import ProcessedMessage
+from django_idempotency.models import FailedMessage, ProcessedMessage
 
 __all__ = [
     "CONSUME_SPAN",
@@ -122,30 +127,39 @@ def consume_once(
         "idempotency.consumer": consumption.consumer,
     }
     # The span encloses the transaction, so it also covers (and records a failure of) the commit.
-    with (
-        tracing.consumer_span(CONSUME_SPAN, traceparent, attributes=attributes) as span,
-        transaction.atomic(using=using),
-    ):
-        consumption.duplicate = not _insert_marker(consumption, using)
-        if span is not None:
-            span.set_attribute("idempotency.duplicate", consumption.duplicate)
-        if consumption.duplicate:
-            logger.info(
-                "duplicate message skipped",
-                extra={"consumer": consumption.consumer, "message_id": consumption.message_id},
-            )
-            signals.duplicate_skipped.send(
-                sender=ProcessedMessage,
-                consumer=consumption.consumer,
-                message_id=consumption.message_id,
-            )
-            yield consumption
-            return
-        token = _current.set(consumption)
-        try:
-            yield consumption
-        finally:
-            _current.reset(token)
+    try:
+        with (
+            tracing.consumer_span(CONSUME_SPAN, traceparent, attributes=attributes) as span,
+            transaction.atomic(using=using),
+        ):
+            consumption.duplicate = not _insert_marker(consumption, using)
+            if span is not None:
+                span.set_attribute("idempotency.duplicate", consumption.duplicate)
+            if consumption.duplicate:
+                logger.info(
+                    "duplicate message skipped",
+                    extra={"consumer": consumption.consumer, "message_id": consumption.message_id},
+                )
+                signals.duplicate_skipped.send(
+                    sender=ProcessedMessage,
+                    consumer=consumption.consumer,
+                    message_id=consumption.message_id,
+                )
+                yield consumption
+                return
+            token = _current.set(consumption)
+            try:
+                yield consumption
+            finally:
+                _current.reset(token)
+            # Handled at last: an earlier failure's record goes with this commit, or stays.
+            FailedMessage.objects.using(using).for_message(
+                consumption.consumer, consumption.message_id
+            ).delete()
+    except Exception as error:
+        if not consumption.duplicate:
+            _record_failure(consumption, error, using)
+        raise
 
 
 def _insert_marker(consumption: Consumption, using: str) -> bool:
@@ -161,6 +175,52 @@ def _insert_marker(consumption: Consumption, using: str) -> bool:
     except IntegrityError:
         return False
     return True
+
+
+def _record_failure(consumption: Consumption, error: BaseException, using: str) -> None:
+    """Write down why handling the message failed, for the admin's failure groups.
+
+    Runs after the handler's transaction (or savepoint) rolled back, in a transaction of its own;
+    inside an outer transaction the record belongs to it and goes if it rolls back. Recording
+    never hides the handler's error: a database that cannot take the record is logged.
+    """
+    now = timezone.now()
+    fingerprint = failure_fingerprint(error)
+    fields = {
+        "last_error": describe(error),
+        "failure_fingerprint": fingerprint,
+        "failure_traceback": failure_traceback(error),
+        "last_failed_at": now,
+    }
+    failures = FailedMessage.objects.using(using)
+    mine = failures.for_message(consumption.consumer, consumption.message_id)
+    try:
+        with transaction.atomic(using=using):
+            # The row lock makes concurrent failures of one message count one after the other.
+            earlier = mine.select_for_update().values_list("failure_fingerprint", flat=True)
+            previous = next(iter(earlier), None)
+            if previous is None:
+                try:
+                    with transaction.atomic(using=using):  # a savepoint: a racing insert wins
+                        failures.create(
+                            consumer=consumption.consumer,
+                            message_id=consumption.message_id,
+                            failing_since=now,
+                            **fields,
+                        )
+                    return
+                except IntegrityError:
+                    previous = mine.select_for_update().values_list(
+                        "failure_fingerprint", flat=True
+                    )[0]
+            since = {} if previous == fingerprint else {"failing_since": now}
+            mine.update(attempts=models.F("attempts") + 1, **since, **fields)
+    except DatabaseError:
+        logger.warning(
+            "the consumer's failure could not be recorded",
+            exc_info=True,
+            extra={"consumer": consumption.consumer, "message_id": consumption.message_id},
+        )
 
 
 def idempotent_consumer(

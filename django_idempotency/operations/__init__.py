@@ -4,6 +4,22 @@ The admin's actions call the functions re-exported here; so can commands and scr
 """
 
 from django_idempotency.operations.actions import ReleaseResult, release_records
-from django_idempotency.outbox.operator import EventResult, discard_events, retry_events
+from django_idempotency.outbox.operator import (
+    EventResult,
+    FailureGroupSelection,
+    discard_events,
+    discard_failure_group,
+    retry_events,
+    retry_failure_group,
+)
 
-__all__ = ["EventResult", "ReleaseResult", "discard_events", "release_records", "retry_events"]
+__all__ = [
+    "EventResult",
+    "FailureGroupSelection",
+    "ReleaseResult",
+    "discard_events",
+    "discard_failure_group",
+    "release_records",
+    "retry_events",
+    "retry_failure_group",
+]

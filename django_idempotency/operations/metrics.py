@@ -32,8 +32,11 @@ __all__ = [
     "CLAIM_DURATION",
     "COMPLETIONS",
     "CONSUMER_DUPLICATES",
+    "INBOX_FAILURES_FORGOTTEN",
     "LEASES_LOST",
     "OUTBOX_DEAD",
+    "OUTBOX_OPERATOR_ACTIONS",
+    "OUTBOX_OPERATOR_EVENTS",
     "OUTBOX_PUBLISHED",
     "OUTBOX_PUBLISH_FAILURES",
     "OUTBOX_PUBLISH_LATENCY",
@@ -96,6 +99,22 @@ OUTBOX_DEAD = Counter(
     PREFIX + "outbox_events_dead",
     "Outbox events that failed OUTBOX_MAX_ATTEMPTS times and went DEAD.",
 )
+OUTBOX_OPERATOR_ACTIONS = Counter(
+    PREFIX + "outbox_operator_actions",
+    "Actions an operator took on failed outbox events (the admin's, or the operations "
+    "functions), by action (retry, discard) and target (selection, failure_group).",
+    ["action", "target"],
+)
+OUTBOX_OPERATOR_EVENTS = Counter(
+    PREFIX + "outbox_operator_events",
+    "Failed outbox events an operator retried or discarded, by action and target.",
+    ["action", "target"],
+)
+INBOX_FAILURES_FORGOTTEN = Counter(
+    PREFIX + "inbox_failures_forgotten",
+    "Records of failed messages an operator forgot, by target (selection, failure_group).",
+    ["target"],
+)
 CONSUMER_DUPLICATES = Counter(
     PREFIX + "consumer_duplicates_skipped",
     "Messages a consumer had handled already and skipped, by consumer.",
@@ -144,6 +163,28 @@ def _count_published(sender: Any, *, event: Any, publisher: str = "", **kwargs: 
             OUTBOX_PUBLISH_LATENCY.observe(max(waited, 0.0))
 
 
+def _counting_operator(action: str) -> Receiver:
+    """Count an operator's action on outbox events, and the events it changed."""
+
+    def receiver(
+        sender: Any, *, count: int, failure_group: str | None = None, **kwargs: Any
+    ) -> None:
+        if conf.METRICS:
+            target = "selection" if failure_group is None else "failure_group"
+            OUTBOX_OPERATOR_ACTIONS.labels(action=action, target=target).inc()
+            OUTBOX_OPERATOR_EVENTS.labels(action=action, target=target).inc(count)
+
+    return receiver
+
+
+def _count_forgotten(
+    sender: Any, *, count: int, failure_group: str | None = None, **kwargs: Any
+) -> None:
+    if conf.METRICS:
+        target = "selection" if failure_group is None else "failure_group"
+        INBOX_FAILURES_FORGOTTEN.labels(target=target).inc(count)
+
+
 #: Each signal and the receiver that counts it; the receivers are held here, so the signals can
 #: keep their default weak references.
 RECEIVERS: tuple[tuple[Signal, Receiver], ...] = (
@@ -161,6 +202,9 @@ RECEIVERS: tuple[tuple[Signal, Receiver], ...] = (
     (signals.event_dead, _counting(OUTBOX_DEAD)),
     (signals.duplicate_skipped, _counting_by(CONSUMER_DUPLICATES, "consumer")),
     (signals.rows_swept, _counting_by(SWEPT_ROWS, "sweep", amount="count")),
+    (signals.events_retried, _counting_operator("retry")),
+    (signals.events_discarded, _counting_operator("discard")),
+    (signals.failures_forgotten, _count_forgotten),
 )
 
 

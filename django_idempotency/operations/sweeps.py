@@ -3,7 +3,11 @@
 Each batch is one SELECT of at most ``batch_size`` primary keys and one DELETE of those keys that
 re-applies the sweep's condition, each its own short transaction. The re-check matters: a row
 that changed between the two (an expired key claimed again) is left alone. Concurrent sweeps are
-harmless: the second DELETE of a batch finds nothing left.
+harmless: the second DELETE of a batch finds nothing left. So is a sweep killed half-way: the
+batches it deleted stay deleted (and counted: each sends ``rows_swept`` after its DELETE), and the
+next run starts over on what is left.
+
+Age is judged by the database's clock, as claims judge it, unless the caller passes ``now``.
 """
 
 from __future__ import annotations
@@ -15,15 +19,25 @@ from typing import Any
 
 from django.db import models, router
 from django.db.models import QuerySet
-from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
+from django_idempotency.db import database_now
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 
-__all__ = ["SWEEPS", "sweep_expired_records", "sweep_processed_messages", "sweep_published_events"]
+__all__ = [
+    "PROGRESS_EVERY_BATCHES",
+    "SWEEPS",
+    "sweep_expired_records",
+    "sweep_processed_messages",
+    "sweep_published_events",
+]
 
 logger = logging.getLogger(__name__)
+
+#: A sweep of several batches logs its progress at INFO after its first batch and then every
+#: this many batches (the others at DEBUG), so a sweep killed half-way has said how far it got.
+PROGRESS_EVERY_BATCHES = 10
 
 
 def sweep_expired_records(
@@ -88,21 +102,42 @@ def _sweep(
     dry_run: bool,
 ) -> int:
     batch_size = batch_size or conf.SWEEP_BATCH_SIZE
-    now = now or timezone.now()
-    rows = model._default_manager.using(router.db_for_write(model)).all()
+    using = router.db_for_write(model)
+    now = now or database_now(using)
+    rows = model._default_manager.using(using).all()
     if dry_run:
         return due(rows, now).count()
-    total = 0
+    total = batches = 0
     while True:
         ids = list(due(rows, now).order_by("pk").values_list("pk", flat=True)[:batch_size])
         if not ids:
             break
+        # Outside a transaction the DELETE commits at once: a sweep killed after this line has
+        # still done (and, through the signal, counted) this batch.
         deleted, _ = due(rows.filter(pk__in=ids), now).delete()
         total += deleted
+        batches += 1
         if deleted:
             signals.rows_swept.send(sender=model, count=deleted, sweep=name)
         if len(ids) < batch_size:
             break
+        _log_progress(name, batches, deleted, total)
+    extra = {"sweep": name, "sweep_count": total, "sweep_batches": batches}
     if total:
-        logger.info("swept %d %s", total, name, extra={"sweep": name, "sweep_count": total})
+        logger.info("swept %d %s", total, name, extra=extra)
+    else:
+        logger.debug("swept nothing: no %s due", name, extra=extra)
     return total
+
+
+def _log_progress(name: str, batch: int, deleted: int, total: int) -> None:
+    level = logging.INFO if (batch - 1) % PROGRESS_EVERY_BATCHES == 0 else logging.DEBUG
+    logger.log(
+        level,
+        "sweeping %s: batch %d deleted %d, %d so far",
+        name,
+        batch,
+        deleted,
+        total,
+        extra={"sweep": name, "sweep_count": total, "sweep_batches": batch},
+    )

@@ -2,7 +2,10 @@
 
 The admin's actions call these; so can commands and tests. Each works through the selection in
 batches, one short transaction per batch, and judges every row again under a row lock before it
-changes anything: a relay may have taken the row since the page was shown.
+changes anything: a relay may have taken the row since the page was shown. A failure group (see
+:mod:`django_idempotency.core.failures`) is acted on the same way, its selection judged again
+under the lock too. Every action is logged and announced (``events_retried``,
+``events_discarded``) once its last batch committed; the metrics count those signals.
 """
 
 from __future__ import annotations
@@ -11,23 +14,28 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Literal
 
 from django.db import router
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
+from django_idempotency import signals
 from django_idempotency.db import database_now
 from django_idempotency.db.batches import Row, locked_batches
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox.publish import kick_after_commit
-from django_idempotency.querysets import OutboxStatus, lease_free_q
+from django_idempotency.querysets import OutboxEventQuerySet, OutboxStatus, lease_free_q
 
 __all__ = [
     "EVENT_BATCH_SIZE",
     "EventResult",
+    "FailureGroupSelection",
     "discard",
     "discard_events",
+    "discard_failure_group",
     "retry_dead",
     "retry_events",
+    "retry_failure_group",
 ]
 
 logger = logging.getLogger(__name__)
@@ -46,17 +54,99 @@ class EventResult:
     in_flight: int = 0
     #: Events that have not failed: published, or pending with no failed attempt yet.
     not_failed: int = 0
+    #: Events selected, but found no longer matching once locked: a failure group's event that
+    #: meanwhile failed for another reason, say.
+    not_matching: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FailureGroupSelection:
+    """The failed events of one failure group, or a filtered part of it.
+
+    ``seen_at`` (the database's time when the operator saw the group) leaves out the events
+    that joined the group after it: an action then only touches what the operator was shown.
+    Events fingerprinted by the upgrade, whose failure time is unknown, count as seen.
+    """
+
+    fingerprint: str
+    #: Only the events with this topic.
+    topic: str | None = None
+    #: Only the DEAD events, or only those waiting for a retry.
+    state: Literal["dead", "retrying"] | None = None
+    seen_at: datetime | None = None
+
+    def matching(self) -> Q:
+        """The selection as a filter, judged again under each row's lock."""
+        match = Q(failure_fingerprint=self.fingerprint)
+        if self.topic is not None:
+            match &= Q(topic=self.topic)
+        if self.state == "dead":
+            match &= Q(status=OutboxStatus.DEAD)
+        elif self.state == "retrying":
+            match &= Q(status=OutboxStatus.PENDING)
+        if self.seen_at is not None:
+            match &= Q(failing_since__lte=self.seen_at) | Q(failing_since__isnull=True)
+        return match
+
+    def events(self, using: str | None = None) -> OutboxEventQuerySet:
+        """The failed events of the selection, now."""
+        events = OutboxEvent.objects.using(using or router.db_for_read(OutboxEvent))
+        return events.failed().filter(self.matching())
 
 
 def retry_events(
-    queryset: QuerySet[OutboxEvent], *, batch_size: int = EVENT_BATCH_SIZE
+    queryset: QuerySet[OutboxEvent],
+    *,
+    batch_size: int = EVENT_BATCH_SIZE,
+    matching: Q | None = None,
 ) -> EventResult:
     """Send failed events again now: back to PENDING, attempts reset, due at once.
 
     They keep their id and their place in the order, so the events queued behind them on their
-    key follow. The relay is kicked once the change commits.
+    key follow; they leave their failure group. The relay is kicked once the change commits.
+    ``matching``, a filter the events must still pass once locked, leaves alone (and counts in
+    ``not_matching``) the selected events that changed meanwhile.
     """
+    return _retry(queryset, batch_size, matching, failure_group=None)
 
+
+def discard_events(
+    queryset: QuerySet[OutboxEvent],
+    *,
+    batch_size: int = EVENT_BATCH_SIZE,
+    matching: Q | None = None,
+) -> EventResult:
+    """Delete failed events for good; the events queued behind them on their key go next.
+
+    ``matching`` as for :func:`retry_events`.
+    """
+    return _discard(queryset, batch_size, matching, failure_group=None)
+
+
+def retry_failure_group(
+    selection: FailureGroupSelection, *, batch_size: int = EVENT_BATCH_SIZE
+) -> EventResult:
+    """:func:`retry_events` for a failure group (or the part ``selection`` names)."""
+    return _retry(
+        selection.events(), batch_size, selection.matching(), failure_group=selection.fingerprint
+    )
+
+
+def discard_failure_group(
+    selection: FailureGroupSelection, *, batch_size: int = EVENT_BATCH_SIZE
+) -> EventResult:
+    """:func:`discard_events` for a failure group (or the part ``selection`` names)."""
+    return _discard(
+        selection.events(), batch_size, selection.matching(), failure_group=selection.fingerprint
+    )
+
+
+def _retry(
+    queryset: QuerySet[OutboxEvent],
+    batch_size: int,
+    matching: Q | None,
+    failure_group: str | None,
+) -> EventResult:
     def retry(events: QuerySet[OutboxEvent], now: datetime) -> int:
         return events.update(
             status=OutboxStatus.PENDING,
@@ -64,26 +154,34 @@ def retry_events(
             next_attempt_at=now,
             locked_until=None,
             relay_token=None,
+            failure_fingerprint=None,
+            failing_since=None,
         )
 
-    result = _change_failed_events(queryset, batch_size, retry)
+    result = _change_failed_events(queryset, batch_size, retry, matching)
+    _log_count(logging.INFO, "outbox: %d failed events queued for retry", result, failure_group)
+    signals.events_retried.send(
+        sender=OutboxEvent, count=result.changed, failure_group=failure_group
+    )
     if result.changed:
-        _log_count(logging.INFO, "outbox: %d failed events queued for retry", result.changed)
         kick_after_commit(router.db_for_write(OutboxEvent))
     return result
 
 
-def discard_events(
-    queryset: QuerySet[OutboxEvent], *, batch_size: int = EVENT_BATCH_SIZE
+def _discard(
+    queryset: QuerySet[OutboxEvent],
+    batch_size: int,
+    matching: Q | None,
+    failure_group: str | None,
 ) -> EventResult:
-    """Delete failed events for good; the events queued behind them on their key go next."""
-
     def discard(events: QuerySet[OutboxEvent], now: datetime) -> int:
         return events.delete()[0]
 
-    result = _change_failed_events(queryset, batch_size, discard)
-    if result.changed:
-        _log_count(logging.WARNING, "outbox: %d failed events discarded", result.changed)
+    result = _change_failed_events(queryset, batch_size, discard, matching)
+    _log_count(logging.WARNING, "outbox: %d failed events discarded", result, failure_group)
+    signals.events_discarded.send(
+        sender=OutboxEvent, count=result.changed, failure_group=failure_group
+    )
     return result
 
 
@@ -91,6 +189,7 @@ def _change_failed_events(
     queryset: QuerySet[OutboxEvent],
     batch_size: int,
     apply: Callable[[QuerySet[OutboxEvent], datetime], int],
+    matching: Q | None,
 ) -> EventResult:
     def change(using: str, rows: list[Row]) -> EventResult:
         # The rows are locked: a relay's claim skips them (SKIP LOCKED) and its ack waits for
@@ -98,20 +197,32 @@ def _change_failed_events(
         # row under it would let another relay send the event while the first one does.
         now = database_now(using)  # relay leases are the database's, like the relay's own
         batch = OutboxEvent.objects.using(using).filter(pk__in=[row[0] for row in rows])
+        not_matching = 0
+        if matching is not None:
+            # Judged on the locked row: no one can move it out of the selection any more.
+            batch = batch.filter(matching)
+            not_matching = len(rows) - batch.count()
         in_flight = batch.leased(now).count()
         changed = apply(batch.failed().filter(lease_free_q(now)), now)
-        return EventResult(changed, in_flight, len(rows) - changed - in_flight)
+        not_failed = len(rows) - not_matching - changed - in_flight
+        return EventResult(changed, in_flight, not_failed, not_matching)
 
-    changed = in_flight = not_failed = 0
+    total = EventResult()
     for batch in locked_batches(queryset, (), batch_size, change):
-        changed += batch.changed
-        in_flight += batch.in_flight
-        not_failed += batch.not_failed
-    return EventResult(changed, in_flight, not_failed)
+        total = EventResult(
+            total.changed + batch.changed,
+            total.in_flight + batch.in_flight,
+            total.not_failed + batch.not_failed,
+            total.not_matching + batch.not_matching,
+        )
+    return total
 
 
-def _log_count(level: int, message: str, count: int) -> None:
-    logger.log(level, message, count, extra={"outbox_count": count})
+def _log_count(level: int, message: str, result: EventResult, failure_group: str | None) -> None:
+    if not result.changed:
+        return
+    extra = {"outbox_count": result.changed, "outbox_failure_group": failure_group}
+    logger.log(level, message, result.changed, extra=extra)
 
 
 def retry_dead(queryset: QuerySet[OutboxEvent] | None = None) -> int:

@@ -60,6 +60,7 @@ from django.utils import timezone
 
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
+from django_idempotency.core.failures import describe, failure_fingerprint, failure_traceback
 from django_idempotency.db import database_now, postgresql
 from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
@@ -416,10 +417,26 @@ class Relay:
                     locked_until=None,
                     relay_token=None,
                     last_error="",
+                    failure_fingerprint=None,
+                    failing_since=None,
+                    failure_traceback=None,
                 )
+            # A batch often shares one error (a broker outage): describe it once.
+            described: dict[int, tuple[str, str, str | None]] = {}
             for event, error in failures:
+                if id(error) not in described:
+                    described[id(error)] = (
+                        _describe(error),
+                        failure_fingerprint(error),
+                        failure_traceback(error) or None,
+                    )
                 event.attempts += 1
-                event.last_error = _describe(error)
+                event.last_error, fingerprint, event.failure_traceback = described[id(error)]
+                # The failure group's clock: it restarts when the event fails for a new reason.
+                if fingerprint != event.failure_fingerprint or event.failing_since is None:
+                    event.failing_since = now
+                event.failure_fingerprint = fingerprint
+                event.last_failed_at = now
                 # An unreachable broker says nothing about the event: however long the outage,
                 # the event waits for the broker (backoff capped) instead of dying.
                 outage = isinstance(error, BrokerUnavailable)
@@ -434,6 +451,10 @@ class Relay:
                     attempts=event.attempts,
                     next_attempt_at=event.next_attempt_at,
                     last_error=event.last_error,
+                    failure_fingerprint=event.failure_fingerprint,
+                    failing_since=event.failing_since,
+                    last_failed_at=event.last_failed_at,
+                    failure_traceback=event.failure_traceback,
                     locked_until=None,
                     relay_token=None,
                 )
@@ -514,7 +535,7 @@ def _send_attributes(
 
 
 def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"[:2000]
+    return describe(error)
 
 
 def _log_extra(event: OutboxEvent, error: BaseException) -> dict[str, Any]:

@@ -14,10 +14,12 @@ from tests.demo import stack
 from tests.demo.conftest import DemoServer
 
 
-def tour(url: str) -> subprocess.CompletedProcess[str]:
+def tour(url: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The tour; with the server's ``env`` it shares the server's database and services, as
+    ``make tour`` shares ``make demo``'s, so its closing ``idempotency_verify`` checks them."""
     return subprocess.run(
         [sys.executable, "manage.py", "idempotency_tour", "--url", url],
-        env=stack.environment(),
+        env=env or stack.environment(),
         cwd=stack.ROOT,
         capture_output=True,
         text=True,
@@ -45,9 +47,12 @@ def test_the_tour_runs_green_and_every_duplicate_leaves_the_balances_alone(
 ) -> None:
     before = toured.balances()
     seen = {entry["id"] for entry in ledger(toured, "acc_1")}
-    result = tour(toured.url)
+    result = tour(toured.url, toured.env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "The tour ran green." in result.stdout
+    # It ends with the guarantees checked on the same stack.
+    assert "The guarantees on this stack" in result.stdout
+    assert "Every check passed." in result.stdout
     assert "skipped" not in result.stdout  # the server has faults on: every step ran
     for answer in ("201 replayed", "409 transaction_in_progress", "422 payload_mismatch"):
         assert answer in result.stdout

@@ -151,6 +151,11 @@ class Command(BaseCommand):
         parser.add_argument(
             "--timeout", type=float, default=60.0, help="Seconds to wait for any one answer."
         )
+        parser.add_argument(
+            "--no-verify",
+            action="store_true",
+            help="Do not end with manage.py idempotency_verify on this process's settings.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         credentials = None
@@ -203,6 +208,26 @@ class Command(BaseCommand):
         if self.failures:
             raise CommandError(f"{len(self.failures)} check(s) failed: {'; '.join(self.failures)}")
         self.stdout.write(self.style.SUCCESS("\nThe tour ran green."))
+        if not options["no_verify"]:
+            self.verify()
+
+    def verify(self) -> None:
+        """Last, the guarantees on this stack: ``manage.py idempotency_verify``, the command to
+        run first on any project of your own."""
+        from django.conf import settings
+        from django.core.management import call_command
+
+        self.stdout.write(self.style.MIGRATE_HEADING("\nThe guarantees on this stack"))
+        engine = settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1]
+        if engine != self.info["database"]:
+            # The server runs elsewhere (docker compose): this process's database is not its.
+            self.stdout.write(
+                f"The server runs on {self.info['database']}, this process on {engine}: run "
+                "`python manage.py idempotency_verify` where the server runs (docker compose "
+                "exec web python manage.py idempotency_verify)."
+            )
+            return
+        call_command("idempotency_verify", stdout=self.stdout, stderr=self.stderr)
 
     # --- steps -----------------------------------------------------------------------------
 
