@@ -84,8 +84,6 @@ def test_whole_request_through_the_mixin(client, key, django_assert_num_queries)
 def test_an_answer_that_needs_no_claim_writes_nothing(key, path):
     """A replay, a 409 and a 422 only read: the claim statement takes no row lock and no
     transaction id, so it writes no WAL and waits for no flush."""
-    from django.db import transaction
-
     fingerprint = "0" * 64 if path == "mismatch" else "f" * 64
     with contextlib.ExitStack() as stack:
         if path == "replay":
@@ -93,10 +91,32 @@ def test_an_answer_that_needs_no_claim_writes_nothing(key, path):
             lifecycle.run(decision.lease, lambda: HttpResponse(b"ok", status=201))
         else:
             stack.enter_context(held_elsewhere(identity(key)))
-        with transaction.atomic(), connection.cursor() as cursor:
-            answer = lifecycle.claim(identity(key, fingerprint))
-            cursor.execute("SELECT pg_current_xact_id_if_assigned()")
-            assigned = cursor.fetchone()[0]
+        answer, assigned = _claim_in_a_fresh_transaction(identity(key, fingerprint))
     expected = {"replay": types.Replay, "conflict": types.Conflict, "mismatch": types.Mismatch}
     assert isinstance(answer, expected[path])
     assert assigned is None, "the claim wrote (took a transaction id) to answer a retry"
+
+
+def _claim_in_a_fresh_transaction(ident: types.Identity) -> tuple[types.Decision, object]:
+    """Claim inside a transaction of a connection of its own (nothing else ever ran in it),
+    and return the answer with the transaction id the transaction took, if any."""
+    import threading
+
+    from django.db import transaction
+
+    result: list[tuple[types.Decision, object]] = []
+
+    def claim() -> None:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                answer = lifecycle.claim(ident)
+                cursor.execute("SELECT pg_current_xact_id_if_assigned()")
+                result.append((answer, cursor.fetchone()[0]))
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=claim)
+    thread.start()
+    thread.join(60)
+    assert result, "the claim did not finish"
+    return result[0]
