@@ -2,10 +2,13 @@
 -- BENCH_MODE: "first" (a new key every request), "replay" (cycle over BENCH_REPLAY_KEYS keys
 -- created beforehand), "none" (no key), "get" (a bare GET). Keys are UUIDs, which
 -- drf-idempotencykey insists on: <run prefix>-<thread>-4000-8000-<counter>.
+-- BENCH_BODY: "payment" (the payment body, its accounts following the number) or "note" (the
+-- lightest endpoint's body, the same for every request).
 local mode = os.getenv("BENCH_MODE") or "first"
 local prefix = os.getenv("BENCH_KEY_PREFIX") or "00000000"
 local replay_keys = tonumber(os.getenv("BENCH_REPLAY_KEYS") or "1")
 local accounts = tonumber(os.getenv("BENCH_ACCOUNTS") or "2")
+local body_kind = os.getenv("BENCH_BODY") or "payment"
 local counter = 0
 local thread_number = 1
 local threads = {}
@@ -25,6 +28,9 @@ end
 
 -- The same body as benchmarks/run.py's body_for(number): the account pair follows the number.
 function body_for(n)
+  if body_kind == "note" then
+    return '{"title": "bench", "body": "a note", "done": false}'
+  end
   return string.format(
     '{"amount": "1.00", "currency": "USD", "source_account": "acc_%d", ' ..
     '"destination_account": "acc_%d"}', n % accounts + 1, (n + 1) % accounts + 1)

@@ -1,8 +1,13 @@
-"""HTTP benchmark: the demo's payment POST under gunicorn on PostgreSQL, driven by wrk.
+"""HTTP benchmark: two DRF create endpoints under gunicorn on PostgreSQL, driven by wrk.
 
-Every variant runs in its own gunicorn (see ``benchproject/settings.py``); rows are measured in
-interleaved rounds and reported as medians, with each row's throughput and CPU per request
-relative to the plain endpoint. ``--smoke`` runs a few requests per row and fails on any error.
+The demo's payment POST (the heavier endpoint) and the lightest create there is (a three-field
+note), each plain, guarded by ours and by the peers; and the same server's bare GET, the ceiling
+a replay can reach. Every variant runs in its own gunicorn (see ``benchproject/settings.py``);
+rows are measured in interleaved rounds and reported as medians, with each row's throughput and
+CPU per request relative to the plain endpoint, replays also relative to the ceiling. Per request
+it reports the workers' CPU, the PostgreSQL backends' CPU, the SQL statements the workers ran
+and the commits the database counted. ``--smoke`` runs a few requests per row and fails on any
+error.
 
     python -m benchmarks.run [--rounds 3] [--duration 6] [--smoke]
 """
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import platform
@@ -20,12 +26,17 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psycopg
+
+from benchmarks.benchproject import counting
 
 ROOT = Path(__file__).resolve().parent.parent
 LUA = Path(__file__).resolve().parent / "request.lua"
@@ -46,6 +57,7 @@ def body_for(number: int) -> str:
 
 
 BODY = body_for(0)
+NOTE_BODY = json.dumps({"title": "bench", "body": "a note", "done": False}, separators=(", ", ": "))
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -54,7 +66,11 @@ class Server:
     variant: str
     port: int
     process: subprocess.Popen[bytes] | None = None
-    replay_prefix: str = field(default_factory=lambda: secrets.token_hex(4))
+    #: Replay keys per endpoint, created before the rounds (a key belongs to one path).
+    replay_prefixes: dict[str, str] = field(default_factory=dict)
+
+    def replay_prefix(self, endpoint: Endpoint) -> str:
+        return self.replay_prefixes.setdefault(endpoint.name, secrets.token_hex(4))
 
     @property
     def base(self) -> str:
@@ -66,40 +82,57 @@ class Server:
         return [int(pid) for pid in children.read_text().split()]
 
     def cpu_seconds(self) -> float:
-        total = 0
-        for pid in self.worker_pids():
-            with open(f"/proc/{pid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime + stime
-        return total / CLOCK_TICKS
+        return sum(process_cpu_seconds(pid) for pid in self.worker_pids())
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    guarded: str  # the path ours and the peers guard
+    plain: str  # the same view without idempotency
+    body: str  # request.lua's BENCH_BODY
 
 
 @dataclass(frozen=True)
 class Row:
     label: str
     server: str
-    path: str
+    endpoint: Endpoint | None  # None: the bare GET
     mode: str  # first | replay | none | get
     group: str  # rows that do the same work share a group, for "ahead of every peer"
 
+    @property
+    def path(self) -> str:
+        if self.endpoint is None:
+            return "/get/"
+        return self.endpoint.plain if self.mode == "none" else self.endpoint.guarded
 
-API = "/api/v1/payments/"
-ROWS = [
-    Row("(a) plain endpoint, no idempotency", "ours", "/plain/payments/", "none", "plain"),
-    Row("(b) ours, first-time keys, database", "ours", API, "first", "first-db"),
-    Row("(c) ours, replays, database", "ours", API, "replay", "replay-db"),
-    Row("(d) ours, first-time keys, Redis", "ours-redis", API, "first", "first-redis"),
-    Row("(e) ours, replays, Redis", "ours-redis", API, "replay", "replay-redis"),
-    Row("(f) drf-idempotency, first-time, database", "drfi-db", API, "first", "first-db"),
-    Row("(f) drf-idempotency, replays, database", "drfi-db", API, "replay", "replay-db"),
-    Row("(f) drf-idempotency, first-time, Redis", "drfi-redis", API, "first", "first-redis"),
-    Row("(f) drf-idempotency, replays, Redis", "drfi-redis", API, "replay", "replay-redis"),
-    Row("(f) django-idempotency-key, first-time", "dik", API, "first", "first-redis"),
-    Row("(f) django-idempotency-key, replays", "dik", API, "replay", "replay-redis"),
-    Row("(f) drf-idempotencykey, first-time", "drfik", API, "first", "first-db"),
-    Row("(f) drf-idempotencykey, replays", "drfik", API, "replay", "replay-db"),
-    Row("(g) bare GET (ceiling)", "ours", "/get/", "get", "ceiling"),
-]  # fmt: skip
+
+PAYMENTS = Endpoint("payments", "/api/v1/payments/", "/plain/payments/", "payment")
+NOTES = Endpoint("notes", "/api/v1/notes/", "/plain/notes/", "note")
+#: What guards the endpoint, and the storage it keeps keys in ("first-db" groups with "first-db").
+GUARDS = [
+    ("ours", "ours", "database"),
+    ("ours", "ours-redis", "Redis"),
+    ("drf-idempotency", "drfi-db", "database"),
+    ("drf-idempotency", "drfi-redis", "Redis"),
+    ("django-idempotency-key", "dik", "Redis"),
+    ("drf-idempotencykey", "drfik", "database"),
+]
+
+
+def endpoint_rows(endpoint: Endpoint) -> list[Row]:
+    rows = [Row(f"{endpoint.name}: plain, no idempotency", "ours", endpoint, "none", "plain")]
+    for name, server, storage in GUARDS:
+        group = "db" if storage == "database" else "redis"
+        for mode, what in (("first", "first-time"), ("replay", "replays")):
+            label = f"{endpoint.name}: {name}, {what}, {storage}"
+            rows.append(Row(label, server, endpoint, mode, f"{mode}-{group}"))
+    return rows
+
+
+CEILING = Row("bare GET (ceiling)", "ours", None, "get", "ceiling")
+ROWS = [*endpoint_rows(PAYMENTS), *endpoint_rows(NOTES), CEILING]
 VARIANTS = ["ours", "ours-redis", "drfi-db", "drfi-redis", "dik", "drfik"]
 
 
@@ -138,7 +171,7 @@ def prepare_database(args: argparse.Namespace) -> None:
         "from demo_project.payments.models import Account\n"
         "for config in apps.get_app_configs():\n"
         "    if config.label in ('django_idempotency', 'idempotency_key', 'drf_idempotency',"
-        " 'drf_idempotencykey', 'payments'):\n"
+        " 'drf_idempotencykey', 'payments', 'bench_notes'):\n"
         "        for model in config.get_models():\n"
         "            if model is not Account:\n"
         "                model.objects.all().delete()\n"
@@ -202,17 +235,17 @@ def post(url: str, key: str | None, body: str = BODY) -> tuple[int, dict[str, st
         return error.code, dict(error.headers), error.read()
 
 
-def replay_key(server: Server, number: int) -> str:
-    return f"{server.replay_prefix}-0000-4000-8000-{number:012x}"
+def replay_key(server: Server, endpoint: Endpoint, number: int) -> str:
+    return f"{server.replay_prefix(endpoint)}-0000-4000-8000-{number:012x}"
 
 
-def create_replay_keys(server: Server, count: int) -> None:
+def create_replay_keys(server: Server, endpoint: Endpoint, count: int) -> None:
     for number in range(count):
-        status, _, body = post(
-            server.base + "/api/v1/payments/", replay_key(server, number), body_for(number)
-        )
+        key = replay_key(server, endpoint, number)
+        body = body_for(number) if endpoint is PAYMENTS else NOTE_BODY
+        status, _, answer = post(server.base + endpoint.guarded, key, body)
         if status != 201:
-            raise RuntimeError(f"{server.variant}: creating a replay key got {status}: {body!r}")
+            raise RuntimeError(f"{server.variant}: creating a replay key got {status}: {answer!r}")
 
 
 def duplicates_let_through(server: Server, attempts: int = 8) -> int:
@@ -225,17 +258,86 @@ def duplicates_let_through(server: Server, attempts: int = 8) -> int:
     return len(created)
 
 
-def wrk(server: Server, row: Row, args: argparse.Namespace, duration: float) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Snapshot:
+    """Counters read between rows; a row's figures are the differences over its requests."""
+
+    app_cpu: float  # the row's server's gunicorn workers, seconds
+    statements: int  # SQL statements those workers executed (benchproject/counting.py)
+    postgres_cpu: dict[int, float]  # per backend serving the benchmark database, seconds
+
+
+class Database:
+    """Reads the benchmark database's counters, over a connection to another database.
+
+    PostgreSQL CPU is the ``/proc`` CPU time of the backends serving the benchmark database (the
+    workers' connections; the WAL writer and the checkpointer, shared with other databases, are
+    left out). Commits come from ``pg_stat_database``, which a busy backend updates at most once
+    a second and an idle one only 10 s after its last report, so they are counted in a pass of
+    their own that waits :data:`STATS_DELAY` after each row (:func:`count_commits`).
+    """
+
+    STATS_DELAY = 10.5
+
+    def __init__(self, database_url: str) -> None:
+        self.name = database_url.rsplit("/", 1)[1]
+        self.connection = psycopg.connect(
+            database_url.rsplit("/", 1)[0] + "/postgres", autocommit=True
+        )
+
+    def backends_cpu(self) -> dict[int, float]:
+        pids = self.connection.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s", [self.name]
+        ).fetchall()
+        cpu = {}
+        for (pid,) in pids:
+            # A backend gone, or a server in another PID namespace: no CPU to read.
+            with contextlib.suppress(FileNotFoundError):
+                cpu[pid] = process_cpu_seconds(pid)
+        return cpu
+
+    def commits(self) -> int:
+        row = self.connection.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", [self.name]
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+
+
+def snapshot(server: Server, database: Database, count_dir: Path) -> Snapshot:
+    return Snapshot(
+        app_cpu=server.cpu_seconds(),
+        statements=counting.total(count_dir, server.variant),
+        postgres_cpu=database.backends_cpu(),
+    )
+
+
+def wrk(
+    server: Server,
+    row: Row,
+    args: argparse.Namespace,
+    duration: float,
+    measure: tuple[Database, Path] | None = None,
+) -> dict[str, Any]:
     env = {
         **os.environ,
         "BENCH_MODE": row.mode,
+        "BENCH_BODY": row.endpoint.body if row.endpoint else "none",
         "BENCH_KEY_PREFIX": secrets.token_hex(4),
         "BENCH_REPLAY_KEYS": str(args.replay_keys),
         "BENCH_ACCOUNTS": str(ACCOUNTS),
     }
-    if row.mode == "replay":
-        env["BENCH_KEY_PREFIX"] = server.replay_prefix
-    cpu_before = server.cpu_seconds()
+    if row.mode == "replay" and row.endpoint is not None:
+        env["BENCH_KEY_PREFIX"] = server.replay_prefix(row.endpoint)
+    before = snapshot(server, *measure) if measure else None
     output = subprocess.run(
         [
             "wrk", "--threads", str(args.threads), "--connections", str(args.connections),
@@ -247,12 +349,38 @@ def wrk(server: Server, row: Row, args: argparse.Namespace, duration: float) -> 
         text=True,
         check=True,
     ).stdout  # fmt: skip
-    cpu = server.cpu_seconds() - cpu_before
     line = next(line for line in output.splitlines() if line.startswith("WRK_RESULT "))
     result: dict[str, Any] = json.loads(line.removeprefix("WRK_RESULT "))
     result["rps"] = result["requests"] / (result["duration_us"] / 1e6)
-    result["cpu_ms_per_request"] = 1000 * cpu / max(result["requests"], 1)
+    if measure and before:
+        after = snapshot(server, *measure)
+        requests = max(result["requests"], 1)
+        postgres_cpu = sum(
+            cpu - before.postgres_cpu.get(pid, 0.0) for pid, cpu in after.postgres_cpu.items()
+        )
+        result["cpu_ms_per_request"] = 1000 * (after.app_cpu - before.app_cpu) / requests
+        result["pg_cpu_ms_per_request"] = 1000 * postgres_cpu / requests
+        result["statements_per_request"] = (after.statements - before.statements) / requests
     return result
+
+
+def count_commits(
+    servers: dict[str, Server], database: Database, args: argparse.Namespace
+) -> dict[str, float]:
+    """Commits per request of each row, from ``pg_stat_database``, one row at a time.
+
+    Each row runs alone for ``--commit-seconds``, then the backends are left idle until they have
+    reported their counts; the benchmark database sees nothing else meanwhile.
+    """
+    time.sleep(Database.STATS_DELAY)
+    commits = {}
+    for row in ROWS:
+        before = database.commits()
+        result = wrk(servers[row.server], row, args, args.commit_seconds)
+        time.sleep(Database.STATS_DELAY)
+        commits[row.label] = (database.commits() - before) / max(result["requests"], 1)
+        print(f"commits: {row.label}: {commits[row.label]:.2f}/request", file=sys.stderr)
+    return commits
 
 
 def machine() -> dict[str, Any]:
@@ -267,36 +395,56 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
 
 
-def summarise(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def summarise(
+    results: dict[str, list[dict[str, Any]]], commits: dict[str, float]
+) -> list[dict[str, Any]]:
+    """Medians per row; ratios to the same endpoint's plain row, replays also to the ceiling."""
+
     def median(row: Row, name: str) -> float:
         return statistics.median(result[name] for result in results[row.label])
 
-    plain = ROWS[0]
-    plain_rps, plain_cpu = median(plain, "rps"), median(plain, "cpu_ms_per_request")
-    return [
-        {
-            "row": row.label,
-            "group": row.group,
-            "rps": median(row, "rps"),
-            "p50_ms": median(row, "p50_us") / 1000,
-            "p99_ms": median(row, "p99_us") / 1000,
-            "cpu_ms": median(row, "cpu_ms_per_request"),
-            "ratio": median(row, "rps") / plain_rps,
-            "cpu_ratio": median(row, "cpu_ms_per_request") / plain_cpu,
-        }
-        for row in ROWS
-    ]
+    plain = {row.endpoint: row for row in ROWS if row.mode == "none"}
+    ceiling_rps = median(CEILING, "rps")
+    summary = []
+    for row in ROWS:
+        base = plain.get(row.endpoint, plain[PAYMENTS])
+        cpu = median(row, "cpu_ms_per_request") + median(row, "pg_cpu_ms_per_request")
+        base_cpu = median(base, "cpu_ms_per_request") + median(base, "pg_cpu_ms_per_request")
+        summary.append(
+            {
+                "row": row.label,
+                "group": row.group,
+                "endpoint": row.endpoint.name if row.endpoint else None,
+                "rps": median(row, "rps"),
+                "ratio": median(row, "rps") / median(base, "rps"),
+                "ceiling_ratio": median(row, "rps") / ceiling_rps,
+                "p50_ms": median(row, "p50_us") / 1000,
+                "p99_ms": median(row, "p99_us") / 1000,
+                "p99_added_ms": (median(row, "p99_us") - median(base, "p99_us")) / 1000,
+                "cpu_ms": median(row, "cpu_ms_per_request"),
+                "pg_cpu_ms": median(row, "pg_cpu_ms_per_request"),
+                "cpu_ratio": cpu / base_cpu if base_cpu else float("nan"),
+                "statements": median(row, "statements_per_request"),
+                "commits": commits.get(row.label),
+            }
+        )
+    return summary
 
 
 def table(summary: list[dict[str, Any]], duplicates: dict[str, int]) -> str:
     lines = [
-        "| row | req/s | p50 ms | p99 ms | × plain req/s | app CPU ms/req | × plain CPU |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| row | req/s | × plain | × ceiling | p50 ms | p99 ms | p99 added ms | app CPU ms/req "
+        "| PG CPU ms/req | × plain CPU | SQL/req | commits/req |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for item in summary:
+        ceiling = f"{item['ceiling_ratio']:.2f}" if item["group"].startswith("replay") else ""
+        added = "" if item["group"] in ("plain", "ceiling") else f"{item['p99_added_ms']:+.1f}"
         lines.append(
-            f"| {item['row']} | {item['rps']:.0f} | {item['p50_ms']:.1f} | {item['p99_ms']:.1f} "
-            f"| {item['ratio']:.2f} | {item['cpu_ms']:.2f} | {item['cpu_ratio']:.2f} |"
+            f"| {item['row']} | {item['rps']:.0f} | {item['ratio']:.2f} | {ceiling} "
+            f"| {item['p50_ms']:.1f} | {item['p99_ms']:.1f} | {added} | {item['cpu_ms']:.2f} "
+            f"| {item['pg_cpu_ms']:.2f} | {item['cpu_ratio']:.2f} | {item['statements']:.1f} "
+            f"| {'–' if item['commits'] is None else format(item['commits'], '.2f')} |"
         )
     lines += ["", "Payments created by 8 concurrent requests with one new key (1 is correct):", ""]
     lines += [f"- {variant}: {count}" for variant, count in duplicates.items()]
@@ -311,6 +459,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2, help="gunicorn workers per server")
     parser.add_argument("--replay-keys", type=int, default=100)
+    parser.add_argument(
+        "--commit-seconds", type=float, default=2.0, help="seconds per row of the commit count"
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="a few requests per row; fail on errors"
     )
@@ -333,6 +484,9 @@ def main() -> int:
 
     create_database(args)
     prepare_database(args)
+    count_dir = Path(tempfile.mkdtemp(prefix="bench-statements-"))
+    os.environ["BENCH_COUNT_DIR"] = str(count_dir)
+    database = Database(args.database_url)
     servers = {variant: Server(variant, 8301 + index) for index, variant in enumerate(VARIANTS)}
     load_before = os.getloadavg()
     try:
@@ -341,9 +495,10 @@ def main() -> int:
         for server in servers.values():
             wait_until_up(server)
             print(f"{server.variant}: up; creating replay keys", file=sys.stderr)
-            create_replay_keys(server, args.replay_keys)
+            for endpoint in (PAYMENTS, NOTES):
+                create_replay_keys(server, endpoint, args.replay_keys)
         smoke_replay = post(
-            servers["ours"].base + "/api/v1/payments/", replay_key(servers["ours"], 0)
+            servers["ours"].base + PAYMENTS.guarded, replay_key(servers["ours"], PAYMENTS, 0)
         )
         if smoke_replay[1].get("Idempotent-Replay") != "true":
             raise RuntimeError(f"our replay was not a replay: {smoke_replay}")
@@ -359,19 +514,23 @@ def main() -> int:
             # Rotate the order each round, so no row always runs first or last.
             shift = round_number % len(ROWS)
             for row in ROWS[shift:] + ROWS[:shift]:
-                result = wrk(servers[row.server], row, args, args.duration)
+                result = wrk(servers[row.server], row, args, args.duration, (database, count_dir))
                 results[row.label].append(result)
                 print(f"round {round_number + 1}/{args.rounds}: {row.label}: "
                       f"{result['rps']:.0f} req/s", file=sys.stderr)  # fmt: skip
+        commits = {} if args.smoke else count_commits(servers, database, args)
     finally:
         for server in servers.values():
             stop(server)
-    summary = summarise(results)
+        database.close()
+        shutil.rmtree(count_dir, ignore_errors=True)
+    summary = summarise(results, commits)
     report = {
         "machine": machine(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
-        "settings": {k: v for k, v in vars(args).items() if k != "output"} | {"body": BODY},
+        "settings": {k: v for k, v in vars(args).items() if k != "output"}
+        | {"body": BODY, "note_body": NOTE_BODY},
         "summary": summary,
         "duplicates": duplicates,
         "raw": results,

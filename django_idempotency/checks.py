@@ -853,7 +853,13 @@ SETTINGS_CHECKS: tuple[Check, ...] = (
     ),
     Check(
         E011,
-        _not_booleans("KEY_REQUIRED", "LEASE_HEARTBEAT", "LOG_KEYS", "TAKE_OVER_DEAD_OWNERS"),
+        _not_booleans(
+            "KEY_REQUIRED",
+            "LEASE_HEARTBEAT",
+            "LOG_KEYS",
+            "TAKE_OVER_DEAD_OWNERS",
+            "PREPARED_STATEMENTS",
+        ),
         BOOLEAN_MESSAGE,
     ),
     Check(

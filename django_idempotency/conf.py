@@ -52,6 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "MAX_RESPONSE_BYTES": 1024 * 1024,
     "LEASE_HEARTBEAT": False,
     "TAKE_OVER_DEAD_OWNERS": True,
+    "PREPARED_STATEMENTS": True,
     "MIDDLEWARE_PATHS": (),
     "MIDDLEWARE_METHODS": GUARDED_METHODS,
     "ERROR_TYPE_BASE": "urn:django-idempotency:error:",
@@ -72,7 +73,7 @@ DEFAULTS: dict[str, Any] = {
     "OUTBOX_KICK": "django_idempotency.tasks.kick_relay",
     "OUTBOX_NOTIFY": True,
     "OUTBOX_BATCH_SIZE": 100,
-    "OUTBOX_RELAY_LEASE_SECONDS": 60,
+    "OUTBOX_RELAY_LEASE_SECONDS": 15,
     "OUTBOX_MAX_ATTEMPTS": 10,
     "OUTBOX_BACKOFF_BASE_SECONDS": 1,
     "OUTBOX_BACKOFF_MAX_SECONDS": 600,
@@ -309,6 +310,10 @@ class IdempotencySettings:
     @property
     def TAKE_OVER_DEAD_OWNERS(self) -> bool:
         return self.boolean("TAKE_OVER_DEAD_OWNERS")
+
+    @property
+    def PREPARED_STATEMENTS(self) -> bool:
+        return self.boolean("PREPARED_STATEMENTS")
 
     @property
     def REGISTER_ADMIN(self) -> bool:

@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import os
+import shutil
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -11,7 +14,8 @@ from rest_framework.test import APIClient
 
 from django_idempotency import signals
 from django_idempotency.request import cache
-from tests.backends import service_url
+from tests.backends import backends_required, service_url
+from tests.redis_cluster import LocalRedisCluster
 from tests.testapp import views
 
 # No time limit per example: on a shared 2-core machine a database round trip may take longer
@@ -36,6 +40,42 @@ def require_service(name: str) -> str:
 @pytest.fixture
 def redis_url() -> str:
     return require_service("redis")
+
+
+#: The runs (``TEST_DATABASE``) that start a local Redis Cluster. The fast path never touches the
+#: database, and the database's own answers under it are tested on every backend with the
+#: standalone Redis; SQLite (what a fresh clone runs) and PostgreSQL (the reference) are enough
+#: for the cluster's, and MariaDB's run is spared the cluster's start-up and failovers.
+CLUSTER_RUNS = ("sqlite", "postgresql")
+
+
+@dataclass(frozen=True)
+class RedisClusterService:
+    url: str
+    #: The cluster this run started (and may fail over), or None for ``REDIS_CLUSTER_URL``'s.
+    local: LocalRedisCluster | None
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterService]:
+    """``REDIS_CLUSTER_URL``'s cluster, or three masters and three replicas started for this
+    run (on the runs of ``CLUSTER_RUNS``) and removed at its end, whatever happened."""
+    url = os.environ.get("REDIS_CLUSTER_URL")
+    if url:
+        yield RedisClusterService(url, None)
+        return
+    database = os.environ.get("TEST_DATABASE", "sqlite")
+    if database not in CLUSTER_RUNS:
+        pytest.skip(f"the Redis Cluster tests run with TEST_DATABASE in {CLUSTER_RUNS}")
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        if backends_required():
+            pytest.fail("REQUIRE_BACKENDS is set but redis-server or redis-cli is missing")
+        pytest.skip("redis-server and redis-cli are needed to start a Redis Cluster")
+    cluster = LocalRedisCluster.start()
+    try:
+        yield RedisClusterService(cluster.url, cluster)
+    finally:
+        cluster.close()
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from django.db import connection, connections, transaction
 
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import publish
-from django_idempotency.outbox.relay import DatabaseClock
+from django_idempotency.outbox.relay import DatabaseClock, Relay
 from django_idempotency.publishers.memory import broker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +39,22 @@ def publish_committed(
 ) -> OutboxEvent:
     with transaction.atomic():
         return publish(topic, {"n": 1} if payload is None else payload, **kwargs)
+
+
+class CeilingRandom(random.Random):
+    """Backoff at the top of its jitter range, so one ``drain()`` never retries a failed event.
+
+    With real jitter a first retry can fall due a few milliseconds later, inside the same drain.
+    """
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+def relay_all() -> None:
+    """Relays everything due, once: a failed event waits for its next pass."""
+    with Relay(rng=CeilingRandom()) as relay:
+        relay.drain()
 
 
 def published_ids() -> list[str]:
@@ -129,6 +146,26 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
         with suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(10)
+
+
+@contextmanager
+def held_by_a_running_relay(*events: OutboxEvent) -> Iterator[None]:
+    """Hold the session locks of leased events' batches on this connection, as the relay
+    publishing them would: other relays then see that relay as alive (outbox/presence.py)."""
+    from django_idempotency.outbox import presence
+
+    using = connection.alias
+    tokens = [event.relay_token for event in events if event.relay_token is not None]
+    if not presence.enabled(using):
+        yield
+        return
+    for token in tokens:
+        presence.hold(using, token)
+    try:
+        yield
+    finally:
+        for token in tokens:
+            presence.let_go(using, token)
 
 
 def wait_for(condition: Callable[[], Any], *, timeout: float = 60, what: str = "condition") -> Any:

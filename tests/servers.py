@@ -21,6 +21,17 @@ from django.db import connection
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a leftover of a crashed run, say)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -65,6 +76,22 @@ def gunicorn(workers: int = 1, **env: str) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
+def demo_gunicorn(workers: int = 2, *, log: Path | None = None, **env: str) -> Iterator[Server]:
+    """gunicorn serving the demo with its own config, as ``make demo`` does; killed on exit.
+
+    The demo's settings take the database from ``DATABASE_URL`` in ``env``, not from the test.
+    """
+    port = free_port()
+    command = [
+        "gunicorn", "--config", "python:demo_project.gunicorn_conf", "demo_project.wsgi",
+        "--bind", f"127.0.0.1:{port}", "--workers", str(workers),
+    ]  # fmt: skip
+    env = {"DJANGO_SETTINGS_MODULE": "demo_project.settings", **env}
+    with _serve(command, port, env, workers=True, test_database=False, log=log) as server:
+        yield server
+
+
+@contextlib.contextmanager
 def uvicorn(**env: str) -> Iterator[Server]:
     """uvicorn (ASGI) on the database the current test uses; killed on exit."""
     port = free_port()
@@ -78,17 +105,28 @@ def uvicorn(**env: str) -> Iterator[Server]:
 
 @contextlib.contextmanager
 def _serve(
-    command: list[str], port: int, env: dict[str, str], *, workers: bool
+    command: list[str],
+    port: int,
+    env: dict[str, str],
+    *,
+    workers: bool,
+    test_database: bool = True,
+    log: Path | None = None,
 ) -> Iterator[Server]:
-    environment = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "TEST_DATABASE_NAME": str(connection.settings_dict["NAME"]),
-        "PYTHONPATH": str(ROOT),
-        **env,
-    }
+    """Serve with ``command``; ``test_database`` points it at the current test's database
+    (which needs Django's settings in this process), ``log`` takes its output."""
+    environment = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    if test_database:
+        environment["TEST_DATABASE_NAME"] = str(connection.settings_dict["NAME"])
+    environment |= {"PYTHONPATH": str(ROOT), **env}
+    output = log.open("ab") if log is not None else None
     process = subprocess.Popen(
-        [sys.executable, "-m", *command], cwd=ROOT, env=environment, start_new_session=True
+        [sys.executable, "-m", *command],
+        cwd=ROOT,
+        env=environment,
+        start_new_session=True,
+        stdout=output,
+        stderr=subprocess.STDOUT if output is not None else None,
     )
     server = Server(port, process)
     try:
@@ -98,6 +136,8 @@ def _serve(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(10)
+        if output is not None:
+            output.close()
 
 
 def _wait_until_listening(

@@ -1,6 +1,7 @@
-"""The Redis copy of completed responses against the real local Redis (and a private one for
-outages). Redis only ever answers replays; every other answer, 409 included, is the database's,
-so nothing Redis does can refuse a retry or replay a response the database does not hold."""
+"""The Redis copy of completed responses against the real local Redis and a local Redis Cluster
+(and a private Redis for outages). Redis only ever answers replays; every other answer, 409
+included, is the database's, so nothing Redis does can refuse a retry or replay a response the
+database does not hold. tests/test_redis_cluster.py fails the cluster over under load."""
 
 from __future__ import annotations
 
@@ -36,25 +37,36 @@ pytestmark = pytest.mark.django_db(transaction=True)
 ALIAS = "idempotency-fast"
 
 
-def configure(settings: Any, location: str, **idempotency: Any) -> str:
+CLUSTER_FACTORY = "django_idempotency.redis_cluster.ClusterConnectionFactory"
+
+
+def configure(settings: Any, location: str, *, cluster: bool = False, **idempotency: Any) -> str:
     """Point the fast path at ``location`` under a fresh key prefix; returns the prefix."""
     prefix = f"test-{uuid.uuid4().hex[:12]}"
+    options: dict[str, Any] = {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 2}
+    if cluster:
+        options["CONNECTION_FACTORY"] = CLUSTER_FACTORY
     settings.CACHES = {
         **settings.CACHES,
         ALIAS: {
             "BACKEND": "django_redis.cache.RedisCache",
             "LOCATION": location,
             "KEY_PREFIX": prefix,
-            "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 2},
+            "OPTIONS": options,
         },
     }
     settings.IDEMPOTENCY = {**settings.IDEMPOTENCY, "CACHE_ALIAS": ALIAS, **idempotency}
     return prefix
 
 
-@pytest.fixture
-def redis(redis_url: str, settings: Any) -> Iterator[Any]:
-    prefix = configure(settings, redis_url)
+@pytest.fixture(params=["standalone", "cluster"])
+def redis(request: Any, settings: Any) -> Iterator[Any]:
+    """The fast path on the shared Redis, then on the Redis Cluster: every test that takes this
+    fixture runs on both."""
+    if request.param == "cluster":
+        prefix = configure(settings, request.getfixturevalue("redis_cluster").url, cluster=True)
+    else:
+        prefix = configure(settings, request.getfixturevalue("redis_url"))
     client = get_redis_connection(ALIAS)
     yield client
     for name in client.scan_iter(f"{prefix}:*"):
@@ -162,6 +174,15 @@ def test_replay_never_crosses_scopes(redis, key):
 
 def test_scope_and_key_cannot_collide_in_the_redis_name():
     assert cache.redis_key("a:b", "c") != cache.redis_key("a", "b:c")
+
+
+def test_one_scopes_copies_are_found_by_the_scope_digest(redis, key):
+    """How an operator finds every copy of one scope (docs/redis.md): ``SCAN`` on its digest."""
+    for scope, suffix in [("tenant-a", "1"), ("tenant-a", "2"), ("tenant-b", "1")]:
+        run_to_completion(lifecycle.claim(identity(f"{key}-{suffix}", scope=scope)))
+    digest = cache.hash_tag("tenant-a", "").partition(":")[0]
+    found = {name.decode() for name in redis.scan_iter(f"*idem:{{{digest}:*}}:{key}-*")}
+    assert found == {cache.redis_key("tenant-a", f"{key}-{n}") for n in (1, 2)}
 
 
 def test_other_fingerprint_is_refused_by_the_database_not_replayed(redis, client, key):

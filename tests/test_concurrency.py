@@ -148,7 +148,7 @@ def test_a_killed_owner_is_taken_over_at_once_not_after_its_lease(key, tmp_path)
         assert status == 201, content
         assert json.loads(content)["attempt"] == 2
     print(f"\ntaken over {recovered_after:.2f} s after the kill; answers before: {statuses}")
-    assert recovered_after < 10, f"the key waited {recovered_after:.1f} s: its lease, not its owner"
+    assert recovered_after < 20, f"the key waited {recovered_after:.1f} s: its lease, not its owner"
     assert Widget.objects.count() == 1
     record = IdempotencyRecord.objects.get(key=key)
     assert (record.status, record.attempts) == ("COMPLETED", 2)

@@ -26,11 +26,16 @@ from django_idempotency.operations import (
     retry_events,
     retry_failure_group,
 )
-from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
 from tests.factories import OutboxEventFactory
 from tests.metrics_support import SampleDelta
-from tests.outbox_support import HeldTransaction, database_now, publish_committed, wait_for
+from tests.outbox_support import (
+    HeldTransaction,
+    database_now,
+    publish_committed,
+    relay_all,
+    wait_for,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -62,11 +67,6 @@ def failed(error: str = REFUSED, *, since_minutes: float | None = 30, **fields) 
         failure_traceback="Traceback (most recent call last):\n  ...\n" + error,
         **fields,
     )
-
-
-def relay_all() -> None:
-    with Relay() as relay:
-        relay.drain()
 
 
 # --- what the relay records ----------------------------------------------------------------------

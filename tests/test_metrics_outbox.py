@@ -16,12 +16,11 @@ from django_idempotency.inbox import consume_once
 from django_idempotency.models import OutboxEvent
 from django_idempotency.operations import health, sweeps
 from django_idempotency.operations.metrics import OutboxCollector
-from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
 from django_idempotency.testing import deliver_twice
 from tests.factories import OutboxEventFactory
 from tests.metrics_support import SampleDelta
-from tests.outbox_support import publish_committed, settings_with
+from tests.outbox_support import publish_committed, relay_all, settings_with
 from tests.testapp import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -57,11 +56,6 @@ def metrics() -> SampleDelta:
     broker.clear()
     yield SampleDelta(SAMPLES)
     broker.clear()
-
-
-def relay_all() -> None:
-    with Relay() as relay:
-        relay.drain()
 
 
 def test_relayed_events_are_counted_with_their_latency(metrics):

@@ -1,7 +1,6 @@
 import contextlib
 import json
 import logging
-import random
 import re
 import socket
 import threading
@@ -33,18 +32,11 @@ from django_idempotency.publishers.webhook import (
     sign,
     verify_signature,
 )
-from tests.outbox_support import publish_committed, settings_with
+from tests.outbox_support import CeilingRandom, publish_committed, settings_with
 from tests.proxy import tcp_proxy
 
 #: A W3C traceparent as ``publish()`` stores it from the request's span.
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-class CeilingRandom(random.Random):
-    """Backoff at its ceiling (one second), so one drain() never retries the failed event."""
-
-    def uniform(self, a: float, b: float) -> float:
-        return b
 
 
 def message(topic="orders.paid", payload=None, key="order-1", traceparent=None, **headers):

@@ -1,6 +1,7 @@
 import random
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -15,21 +16,16 @@ from django_idempotency.outbox import discard, publish, retry_dead
 from django_idempotency.outbox.relay import Relay, backoff_delay
 from django_idempotency.publishers.memory import broker
 from tests.outbox_support import (
+    CeilingRandom,
     HeldTransaction,
     database_now,
     is_postgresql,
     publish_committed,
     settings_with,
+    wait_for,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class FixedRandom(random.Random):
-    """``uniform(a, b)`` returns ``b``: the top of the jitter range, to check the ceiling."""
-
-    def uniform(self, a, b):
-        return b
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +62,7 @@ def test_a_failing_event_holds_back_its_key_only():
         publish_committed(payload={"n": 10 + n}, key="order-2")
     publish_committed(payload={"n": 99})  # no key: never held back
     broker.fail_when(lambda m: m.payload["n"] == 0)
-    with Relay(rng=FixedRandom()) as relay:  # a full second's backoff: drained once, not twice
+    with Relay(rng=CeilingRandom()) as relay:  # a full second's backoff: drained once, not twice
         stats = relay.drain()
     assert sent_payloads() == [10, 99, 11, 12]
     assert stats.failed == 1 and stats.published == 4
@@ -101,7 +97,7 @@ def test_per_key_order_holds_across_many_injected_failures():
 
 def test_backoff_is_exponential_with_full_jitter_and_capped():
     with settings_with(OUTBOX_BACKOFF_BASE_SECONDS=2, OUTBOX_BACKOFF_MAX_SECONDS=30):
-        ceilings = [backoff_delay(attempts, FixedRandom()) for attempts in range(1, 8)]
+        ceilings = [backoff_delay(attempts, CeilingRandom()) for attempts in range(1, 8)]
         assert ceilings == [2, 4, 8, 16, 30, 30, 30]
         samples = [backoff_delay(3, random.Random(seed)) for seed in range(200)]
     assert all(0 <= sample <= 8 for sample in samples)
@@ -114,7 +110,7 @@ def test_failures_schedule_the_next_attempt_by_backoff():
     with settings_with(OUTBOX_BACKOFF_BASE_SECONDS=5, OUTBOX_BACKOFF_MAX_SECONDS=60):
         for attempt in range(1, 5):
             before = database_now()
-            with Relay(rng=FixedRandom()) as relay:
+            with Relay(rng=CeilingRandom()) as relay:
                 assert relay.run_once().failed == 1
             after = database_now()
             event.refresh_from_db()
@@ -265,38 +261,117 @@ def test_a_long_open_transaction_holds_back_no_keyed_event():
 def test_an_idle_relay_loop_wakes_on_a_publishing_commit():
     if not is_postgresql():
         pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
-    import threading
+    with _idle_relay_loop():
+        _a_commit_wakes_it()
 
-    from django.db import connections
 
-    stop = threading.Event()
-    passes = []
-    idle = threading.Event()
-
-    def on_pass(stats):
-        passes.append(stats)
-        idle.set()
+@contextmanager
+def _idle_relay_loop():
+    """A relay loop in a thread, polling only every 300 s, idle after its first pass; stopped
+    when the block ends."""
+    stop, idle = threading.Event(), threading.Event()
 
     def loop():
         try:
             with Relay() as relay:
-                relay.run_forever(stop, poll_seconds=300, on_pass=on_pass)
+                relay.run_forever(stop, poll_seconds=300, on_pass=lambda stats: idle.set())
         finally:
             connections.close_all()
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
     try:
-        assert idle.wait(30)  # the first pass found nothing; the loop now waits for 300 s
-        event = publish_committed()
-        deadline = timezone.now() + timedelta(seconds=60)
-        while not broker.snapshot() and timezone.now() < deadline:
-            stop.wait(0.05)
-        assert [m.event_id for m in broker.snapshot()] == [event.event_id]
+        assert idle.wait(30)
+        yield
     finally:
         stop.set()
         thread.join(30)
     assert not thread.is_alive()
+
+
+def _a_commit_wakes_it():
+    event = publish_committed()
+    # The loop polls every 300 s: only a NOTIFY wakes it in time.
+    wait_for(broker.snapshot, what="the NOTIFY to wake the relay")
+    assert [m.event_id for m in broker.snapshot()] == [event.event_id]
+
+
+def test_a_relay_listens_again_after_losing_its_listen_connection(caplog):
+    if not is_postgresql():
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    with _idle_relay_loop():
+        # The database drops the listening session, as a restart would.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
+                "current_database() AND query = %s AND pid <> pg_backend_pid()",
+                ["LISTEN django_idempotency_outbox"],
+            )
+            assert cursor.fetchone() == (True,)
+        wait_for(lambda: "listening for commits again" in caplog.text, what="LISTEN again")
+        time.sleep(0.5)  # the pass that follows, for commits nobody heard
+        _a_commit_wakes_it()
+    assert "lost its LISTEN connection" in caplog.text
+
+
+def test_a_batch_still_being_published_keeps_its_lease_past_its_length():
+    """A one-second lease, a batch that takes seconds: the renewals keep it the relay's."""
+    event = publish_committed()
+    release = threading.Event()
+    result = {}
+
+    def slow_relay():
+        try:
+            with Relay(lease_seconds=1.0) as relay:
+                publish = relay._publish
+
+                def publish_then_wait(events, deadline):
+                    outcomes = publish(events, deadline)
+                    release.wait(30)
+                    return outcomes
+
+                relay._publish = publish_then_wait
+                result["stats"] = relay.run_once()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=slow_relay, daemon=True)
+    thread.start()
+    try:
+        wait_for(broker.snapshot, what="the publish")
+        first_lease = OutboxEvent.objects.get().locked_until
+        time.sleep(2.5)  # two and a half leases
+        event.refresh_from_db()
+        assert event.locked_until > first_lease, "the lease was never renewed"
+        with Relay() as other:
+            stats = other.run_once()
+        assert (stats.claimed, stats.reclaimed) == (0, 0)
+    finally:
+        release.set()
+        thread.join(30)
+    assert (result["stats"].published, result["stats"].lost) == (1, 0)
+    assert [m.event_id for m in broker.snapshot()] == [event.event_id]
+
+
+@pytest.mark.parametrize("take_over", [True, False])
+def test_a_batch_whose_relay_session_is_gone_is_released_unless_turned_off(take_over):
+    if connection.vendor == "sqlite":
+        pytest.skip("SQLite has no session locks: the lease is all there is")
+    event = publish_committed()
+    with settings_with(TAKE_OVER_DEAD_OWNERS=take_over):
+        gone = Relay(lease_seconds=60)
+        claimed, _ = gone._claim()
+        assert [e.pk for e in claimed] == [event.pk]
+        connection.close()  # its session ends, and the batch's lock with it
+        with Relay() as other:
+            stats = other.run_once()
+    if take_over:
+        assert (stats.reclaimed, stats.published) == (1, 1)
+        assert [m.event_id for m in broker.snapshot()] == [event.event_id]
+    else:  # behind a pooler that breaks session locks: wait for the lease
+        assert (stats.reclaimed, stats.claimed) == (0, 0)
+        event.refresh_from_db()
+        assert event.relay_token == claimed[0].relay_token
 
 
 class ExplodingPublisher:

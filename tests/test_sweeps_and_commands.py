@@ -372,7 +372,11 @@ def test_relay_command_one_pass_and_exit_codes():
     assert len(broker.snapshot()) == 3
     publish_committed()
     broker.fail_when(lambda m: True)
-    with pytest.raises(CommandError, match="1 events failed") as error:
+    # A backoff far longer than a pass: the jitter can never make the event due again in it.
+    with (
+        settings_with(OUTBOX_BACKOFF_BASE_SECONDS=60),
+        pytest.raises(CommandError, match="1 events failed") as error,
+    ):
         run("outbox_relay")
     assert error.value.returncode == 3
     with pytest.raises(CommandError, match="--sleep must be positive"):

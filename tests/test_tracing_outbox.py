@@ -16,9 +16,8 @@ from django_idempotency import tracing
 from django_idempotency.inbox import consume_once
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import publish
-from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
-from tests.outbox_support import publish_committed, settings_with
+from tests.outbox_support import publish_committed, relay_all, settings_with
 from tests.testapp import tasks  # noqa: F401  (registers the task on every Celery app)
 from tests.testapp.models import Widget
 
@@ -50,11 +49,6 @@ def memory_broker():
     broker.clear()
     yield broker
     broker.clear()
-
-
-def relay_all() -> None:
-    with Relay() as relay:
-        relay.drain()
 
 
 def test_publish_keeps_the_traceparent_of_the_current_span(spans, tracer):

@@ -56,6 +56,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "rest_framework",
     "demo_project.payments",
+    "benchmarks.benchproject.notes",
     # The demo's payments app uses our models (its ledger consumer); the peers' rows do not
     # touch them.
     "django_idempotency",

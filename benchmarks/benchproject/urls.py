@@ -3,7 +3,9 @@ from django.urls import path
 from benchmarks.benchproject import views
 
 urlpatterns = [
-    path("api/v1/payments/", views.guarded_viewset().as_view({"post": "create"})),
+    path("api/v1/payments/", views.guarded(views.PlainPaymentViewSet).as_view({"post": "create"})),
     path("plain/payments/", views.PlainPaymentViewSet.as_view({"post": "create"})),
+    path("api/v1/notes/", views.guarded(views.PlainNoteView).as_view()),
+    path("plain/notes/", views.PlainNoteView.as_view()),
     path("get/", views.bare_get),
 ]

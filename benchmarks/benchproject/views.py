@@ -1,11 +1,19 @@
-"""The payments endpoint in every variant, plus a bare GET for the ceiling."""
+"""The payments endpoint and the lightest create endpoint in every variant, plus a bare GET.
+
+The bare GET (no database, no DRF) is the ceiling for a replay: the fastest answer this server
+gives to anything.
+"""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
-from rest_framework import mixins, viewsets
+from rest_framework import generics, mixins, viewsets
 
+from benchmarks.benchproject.notes.models import Note
+from benchmarks.benchproject.notes.serializers import NoteSerializer
 from demo_project.payments import services
 from demo_project.payments.models import Payment
 from demo_project.payments.serializers import PaymentSerializer
@@ -24,18 +32,29 @@ class PlainPaymentViewSet(mixins.CreateModelMixin, viewsets.GenericViewSet[Payme
     serializer_class = PaymentSerializer
 
 
-def guarded_viewset() -> type[PlainPaymentViewSet]:
-    """What guards the endpoint in this variant (middleware variants guard it from outside)."""
+class PlainNoteView(generics.CreateAPIView[Note]):
+    """The lightest DRF create: a three-field model, JSON in and out, one INSERT."""
+
+    queryset = Note.objects.all()
+    serializer_class = NoteSerializer
+
+
+View = TypeVar("View", bound=type)
+
+
+def guarded(view: View) -> View:
+    """``view`` as this variant guards it (middleware variants guard it from outside)."""
     if settings.VARIANT in ("ours", "ours-redis"):
         from django_idempotency.drf import IdempotencyMixin
 
-        return type("OursPaymentViewSet", (IdempotencyMixin, PlainPaymentViewSet), {})
+        return type(f"Ours{view.__name__}", (IdempotencyMixin, view), {})  # type: ignore[return-value]
     if settings.VARIANT == "drfik":
         from drf_idempotencykey.mixins import DrfIdempotencyKeyMixin
 
-        return type("DrfikPaymentViewSet", (DrfIdempotencyKeyMixin, PlainPaymentViewSet), {})
-    return PlainPaymentViewSet
+        return type(f"Drfik{view.__name__}", (DrfIdempotencyKeyMixin, view), {})  # type: ignore[return-value]
+    return view
 
 
 def bare_get(request: HttpRequest) -> HttpResponse:
+    """A small JSON answer without the database or DRF: the replay ceiling."""
     return HttpResponse(b'{"ok":true}', content_type="application/json")

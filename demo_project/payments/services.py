@@ -99,6 +99,12 @@ def post_to_ledger(*, event_id: str, topic: str, payment: Mapping[str, str]) -> 
         debit, credit = credit, debit
     accounts = Account.objects.in_bulk([debit, credit], field_name="name")
     movement = Payment.objects.get(transaction_id=payment["transaction_id"])
+    sides = [(debit, LedgerEntry.Side.DEBIT), (credit, LedgerEntry.Side.CREDIT)]
+    # InnoDB checks each entry's foreign key with a shared lock on its account row, which
+    # conflicts with a payment's update of that row (PostgreSQL's KEY SHARE lock does not).
+    # Inserting in primary-key order takes those locks in the order _move() takes its own, so a
+    # payment and a ledger posting between the same accounts cannot deadlock on MariaDB.
+    sides.sort(key=lambda side: accounts[side[0]].pk)
     return LedgerEntry.objects.bulk_create(
         [
             LedgerEntry(
@@ -110,7 +116,7 @@ def post_to_ledger(*, event_id: str, topic: str, payment: Mapping[str, str]) -> 
                 amount=Decimal(payment["amount"]),
                 currency=payment["currency"],
             )
-            for name, side in ((debit, LedgerEntry.Side.DEBIT), (credit, LedgerEntry.Side.CREDIT))
+            for name, side in sides
         ]
     )
 

@@ -15,6 +15,7 @@ __all__ = [
     "HOLD_OWNER_LOCK",
     "LET_GO_OF_OWNER_LOCK",
     "OWNER_GONE",
+    "relays_gone",
     "NOW",
     "lock_outbox_key",
     "now_plus",
@@ -37,6 +38,11 @@ def now_plus(seconds: float) -> tuple[str, list[Any]]:
 HOLD_OWNER_LOCK = "SELECT GET_LOCK(%s, 0)"
 OWNER_GONE = "SELECT IS_FREE_LOCK(%s)"
 LET_GO_OF_OWNER_LOCK = "SELECT RELEASE_LOCK(%s)"
+
+
+def relays_gone(count: int) -> str:
+    """One row telling, for each of ``count`` relay lock names, whether no session holds it."""
+    return "SELECT " + ", ".join(["IS_FREE_LOCK(%s)"] * count)
 
 
 # --- outbox ------------------------------------------------------------------------------------

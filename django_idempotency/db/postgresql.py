@@ -7,7 +7,7 @@ why it is not needed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -18,6 +18,10 @@ __all__ = [
     "HOLD_OWNER_LOCK",
     "LET_GO_OF_OWNER_LOCK",
     "OUTBOX_KEY_LOCK_CLASS",
+    "RELAY_LOCK_CLASS",
+    "RELAYS_GONE",
+    "HOLD_RELAY_LOCK",
+    "LET_GO_OF_RELAY_LOCK",
     "OWNER_GONE",
     "OWNER_LOCK_CLASS",
     "with_owner_lock_released",
@@ -44,7 +48,10 @@ def now_plus(seconds: float) -> tuple[str, list[Any]]:
 OWNER_LOCK_CLASS = 1_638_184_609
 
 #: True when no session holds the owner lock ``%(owner_lock)s``: the request that took it is
-#: gone. Taking the lock to test it, the statement gives it straight back.
+#: gone. Taking the lock to test it, the statement gives it straight back. A lock the asking
+#: session holds itself also passes: one session never serves two requests at once (Django
+#: gives each request, async ones included, a thread and so a connection of its own), so the
+#: request that took it on this session has ended without letting go.
 OWNER_GONE = (
     f"SELECT CASE WHEN pg_try_advisory_lock({OWNER_LOCK_CLASS}, %(owner_lock)s) "
     f"THEN pg_advisory_unlock({OWNER_LOCK_CLASS}, %(owner_lock)s) ELSE false END"
@@ -69,7 +76,14 @@ def with_owner_lock_released(statement: str) -> str:
 
 
 def claim_statement(
-    table: str, column: Callable[[str], str], names: Sequence[str], *, owner_lock: bool = False
+    table: str,
+    column: Callable[[str], str],
+    names: Sequence[str],
+    *,
+    column_types: Mapping[str, str],
+    returned: Sequence[str] = (),
+    owner_lock: bool = False,
+    asynchronous_commit: bool = False,
 ) -> str:
     """The claim as one statement: insert, take over, reuse an expired record, or read it.
 
@@ -78,14 +92,29 @@ def claim_statement(
     ``owner_lock``, the lock id. It returns the record's row, whether this request claimed it,
     the database time it judged by, and whether a claim took its owner lock.
 
-    A replay, a ``409`` and a ``422`` only *read*: ``INSERT ... ON CONFLICT DO NOTHING`` leaves an
-    existing row alone without locking it, and the UPDATE finds nothing to change, so the
-    statement writes nothing, takes no transaction id and flushes no WAL. Only an absent key
+    A replay, a ``409`` and a ``422`` only *read*: the INSERT selects no row when the key exists
+    (so not even the id sequence is advanced: a sequence that logs its next values would take a
+    transaction id), ``ON CONFLICT DO NOTHING`` covers a row committed since the snapshot without
+    locking it, and the UPDATE finds nothing to change, so the statement writes nothing, takes
+    no transaction id and flushes no WAL. Only an absent key
     (the INSERT) or an expired or stale record (the UPDATE, whose WHERE PostgreSQL re-checks on
     the row's latest version under its lock) writes, so two claims can never both win. The
     conditions are ``statemachine.is_expired`` and ``Verdict.TAKE_OVER`` written in SQL; a
     property test holds them to the Python rules. If a concurrent claim committed the row after
     this statement's snapshot, nothing comes back and the caller runs another round.
+
+    ``column_types`` gives each inserted column's SQL type: the INSERT's values are a SELECT
+    list (so that an existing key selects nothing), whose parameters need casts where VALUES
+    would have taken the target columns' types. ``returned`` names the record's columns to
+    return (all of them, ``*``, if empty). Named,
+    a column added to the table later does not change the statement's result, so a prepared
+    statement on a long-lived connection survives a migration.
+
+    With ``asynchronous_commit`` (the statement is its own transaction), a claim that writes
+    sets ``synchronous_commit`` off for that transaction, so its commit does not wait for the
+    WAL flush. That loses nothing: the business transaction that completes the record commits
+    synchronously, which flushes the WAL up to its own commit and so the claim's records before
+    it; a claim lost in a crash before that guarded no effect, and its retry claims afresh.
     """
 
     def col(name: str) -> str:
@@ -111,24 +140,36 @@ def claim_statement(
         f"{column('created_at')} = CASE WHEN {expired} THEN {NOW} ELSE {col('created_at')} END"
     )
     key = f"{col('scope')} = %(scope)s AND {col('key')} = %(key)s"
+    row = ", ".join(f"{table}.{name}" for name in returned) if returned else f"{table}.*"
     held = HOLD_OWNER_LOCK if owner_lock else "false"
+    # Evaluated only for a row the claim wrote: a read-only answer commits nothing anyway.
+    claimed = (
+        "set_config('synchronous_commit', 'off', true) IS NOT NULL"
+        if asynchronous_commit
+        else "true"
+    )
     return (
         f"WITH inserted AS ("
         f"INSERT INTO {table} ({', '.join(column(name) for name in names)}) "
-        f"VALUES ({', '.join(_value(name) for name in names)}) "
+        f"SELECT {', '.join(_cast(_value(name), column_types[name]) for name in names)} "
+        f"WHERE NOT EXISTS (SELECT 1 FROM {table} WHERE {key}) "
         f"ON CONFLICT ({column('scope')}, {column('key')}) DO NOTHING "
-        f"RETURNING {table}.*, true AS claimed), "
+        f"RETURNING {row}, {claimed} AS claimed), "
         f"reclaimed AS ("
         f"UPDATE {table} SET {', '.join(assignments)} "
         f"WHERE {key} AND ({expired} OR {stale}) "
-        f"RETURNING {table}.*, true AS claimed) "
+        f"RETURNING {row}, {claimed} AS claimed) "
         f"SELECT *, {NOW} AS database_now, {held} AS owner_lock FROM inserted UNION ALL "
         f"SELECT *, {NOW} AS database_now, {held} AS owner_lock FROM reclaimed UNION ALL "
-        f"SELECT {table}.*, false AS claimed, {NOW} AS database_now, false AS owner_lock "
+        f"SELECT {row}, false AS claimed, {NOW} AS database_now, false AS owner_lock "
         f"FROM {table} "
         f"WHERE {key} AND NOT EXISTS (SELECT 1 FROM inserted) "
         f"AND NOT EXISTS (SELECT 1 FROM reclaimed)"
     )
+
+
+def _cast(value: str, sql_type: str) -> str:
+    return value if value.startswith("(") or value == NOW else f"CAST({value} AS {sql_type})"
 
 
 def _value(name: str) -> str:
@@ -149,6 +190,22 @@ def _value(name: str) -> str:
 #: class keeps our locks apart from other users of the two-``int4`` form (it is
 #: ``crc32("django_idempotency.outbox") & 0x7fffffff``).
 OUTBOX_KEY_LOCK_CLASS = 1_638_184_608
+
+#: Class id of the relay locks: a relay holds one per claimed batch, from the claim to the ack,
+#: so another relay can tell a batch whose relay is gone from one still being published.
+RELAY_LOCK_CLASS = 1_638_184_610
+HOLD_RELAY_LOCK = f"SELECT pg_try_advisory_lock({RELAY_LOCK_CLASS}, %s)"
+LET_GO_OF_RELAY_LOCK = f"SELECT pg_advisory_unlock({RELAY_LOCK_CLASS}, %s)"
+#: Of the relay lock ids ``%s`` (an array), those no session holds: each is taken to test it
+#: and given straight back, all in one round trip. Advisory locks are reentrant, so a lock this
+#: very session holds would pass the test: ``pg_locks`` rules those out.
+RELAYS_GONE = (
+    "SELECT lock_id FROM unnest(%s::int4[]) AS lock_id WHERE NOT EXISTS ("
+    "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() "
+    f"AND classid = {RELAY_LOCK_CLASS}::oid AND objid = lock_id::oid AND objsubid = 2) AND CASE "
+    f"WHEN pg_try_advisory_lock({RELAY_LOCK_CLASS}, lock_id) "
+    f"THEN pg_advisory_unlock({RELAY_LOCK_CLASS}, lock_id) ELSE false END"
+)
 
 
 def before_outbox_insert(

@@ -26,6 +26,15 @@ shares, so relays whose own clocks disagree never both hold an event. A pass rea
 database's time once, at the start of its claim (on PostgreSQL in the statement that pins the
 plan, so without a round trip of its own), and carries it forward on the monotonic clock.
 
+Outages: a relay whose batch is published but whose ack cannot commit (the database went away
+meanwhile) keeps the outcomes and records them first thing when the database answers again,
+before it claims anything, so a database restart costs its duration, not a lease. While a batch
+is being published a thread renews its lease (a third of the lease at a time), so the lease can
+be short: it only matters for a relay that is alive but cannot reach the database, or that is
+gone on a backend without presence locks. A relay that is gone is found sooner on PostgreSQL and
+MariaDB: each batch holds a session lock (see presence.py), and between batches a relay releases
+the batches at the head of the outbox whose lock nobody holds.
+
 MariaDB's own default is REPEATABLE READ (Django's MySQL backend asks for READ COMMITTED unless
 ``OPTIONS["isolation_level"]`` says otherwise). Under REPEATABLE READ a snapshot lives as long as
 its transaction, so nothing here keeps one: each claim and each ack is a new short transaction,
@@ -64,6 +73,7 @@ from django_idempotency.core.failures import describe, failure_fingerprint, fail
 from django_idempotency.db import database_now, postgresql
 from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
+from django_idempotency.outbox import presence
 from django_idempotency.outbox.publish import NOTIFY_CHANNEL
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 from django_idempotency.publishers.routing import PublisherSet
@@ -84,13 +94,22 @@ logger = logging.getLogger(__name__)
 _LEASE_BUDGET = 0.8
 #: The PRODUCER span around each batch handed to a publisher, linked to the publishing spans.
 SEND_SPAN = "outbox.publish"
+#: How often (seconds) a relay looks for batches held by relays that are gone.
+_LOOK_FOR_GONE_RELAYS_SECONDS = 1.0
+#: How many events at the head of the outbox that look covers: a gone relay's batch sinks to the
+#: head as the live relays publish what follows it.
+_HEAD_OF_OUTBOX = 1000
+#: Seconds between attempts when the database is unreachable (the poll may be far longer).
+_DATABASE_RETRY_SECONDS = 1.0
 
 
 @dataclass(slots=True)
 class RelayStats:
     """What a pass (or several) did. ``released``: claimed but not sent (the lease was running
     short, or an earlier event with the same key failed). ``lost``: published, but the lease
-    was taken over meanwhile, so another relay sends them again."""
+    was taken over meanwhile, so another relay sends them again. ``recorded_late``: outcomes
+    kept through a database outage and recorded once it was back. ``reclaimed``: events
+    released from the batches of relays that are gone."""
 
     claimed: int = 0
     published: int = 0
@@ -98,6 +117,8 @@ class RelayStats:
     dead: int = 0
     released: int = 0
     lost: int = 0
+    recorded_late: int = 0
+    reclaimed: int = 0
 
     def add(self, other: RelayStats) -> None:
         for name, value in asdict(other).items():
@@ -171,6 +192,9 @@ class Relay:
         self.allow_in_transaction = allow_in_transaction
         self.publishers = PublisherSet()
         self._publisher_names: dict[int, str] = {}
+        #: A published batch whose outcomes the database could not take yet.
+        self._unrecorded: _Outcomes | None = None
+        self._next_look_for_gone_relays = 0.0
 
     def __enter__(self) -> Relay:
         return self
@@ -184,7 +208,9 @@ class Relay:
     # --- passes -------------------------------------------------------------------------------
 
     def run_once(self) -> RelayStats:
-        """One batch: claim, publish, acknowledge."""
+        """One batch: claim, publish, acknowledge. Outcomes kept from an earlier pass that the
+        database could not take are recorded first; a ``DatabaseError`` means they still are
+        not, and the next pass tries again."""
         connection = connections[self.using]
         if connection.in_atomic_block and not self.allow_in_transaction:
             raise OutboxError(
@@ -192,13 +218,70 @@ class Relay:
                 "transaction.atomic(): a lock or snapshot would be held across the I/O. Call "
                 "it outside the transaction (in tests, use the outbox_relay fixture)."
             )
+        stats = self._record_unrecorded()
+        stats.reclaimed += self._release_batches_of_gone_relays()
         events, clock = self._claim()
         if not events:
-            return RelayStats()
+            return stats
         deadline = time.monotonic() + self.lease_seconds * _LEASE_BUDGET
         self._publisher_names.clear()
-        outcomes = self._publish(events, deadline)
-        return self._ack(events, outcomes, clock)
+        with _LeaseRenewal(self, events[0].relay_token, clock):
+            outcomes = self._publish(events, deadline)
+        try:
+            stats.add(self._ack(events, outcomes, clock))
+        except DatabaseError:
+            self._unrecorded = _Outcomes(events, outcomes, clock, time.monotonic())
+            raise
+        return stats
+
+    def _record_unrecorded(self) -> RelayStats:
+        kept = self._unrecorded
+        if kept is None:
+            return RelayStats()
+        stats = self._ack(kept.events, kept.outcomes, kept.clock)
+        self._unrecorded = None
+        stats.recorded_late = len(kept.outcomes)
+        logger.warning(
+            "outbox relay recorded the outcomes of %d events %.1f s late, once the database "
+            "was back (%d published, %d failed, %d lost to another relay)",
+            stats.recorded_late,
+            time.monotonic() - kept.kept_at,
+            stats.published,
+            stats.failed + stats.dead,
+            stats.lost,
+            extra={"outbox_recorded_late": stats.recorded_late},
+        )
+        return stats
+
+    def _release_batches_of_gone_relays(self) -> int:
+        """Release the leases, at the head of the outbox, of batches whose relay is gone."""
+        if not presence.enabled(self.using):
+            return 0
+        if time.monotonic() < self._next_look_for_gone_relays:
+            return 0
+        self._next_look_for_gone_relays = time.monotonic() + _LOOK_FOR_GONE_RELAYS_SECONDS
+        head = self._events().filter(status=OutboxStatus.PENDING).in_relay_order()
+        tokens = {
+            token
+            for token in head.values_list("relay_token", flat=True)[:_HEAD_OF_OUTBOX]
+            if token is not None
+        }
+        gone = presence.gone(self.using, tokens)
+        if not gone:
+            return 0
+        released = (
+            self._events()
+            .filter(relay_token__in=gone, status=OutboxStatus.PENDING)
+            .update(locked_until=None, relay_token=None)
+        )
+        if released:
+            logger.warning(
+                "outbox relay released %d events leased by %d relays that are gone",
+                released,
+                len(gone),
+                extra={"outbox_reclaimed": released},
+            )
+        return released
 
     def drain(self, max_batches: int | None = None) -> RelayStats:
         """Passes until nothing is due (or ``max_batches``)."""
@@ -231,11 +314,31 @@ class Relay:
                     stats = self.run_once()
                 except DatabaseError:
                     logger.warning("outbox relay pass failed; retrying", exc_info=True)
-                    stats = RelayStats()
+                    # The database, not the outbox, decides when to try again: come back soon.
+                    stop.wait(min(poll, _DATABASE_RETRY_SECONDS))
+                    continue
                 if on_pass is not None:
                     on_pass(stats)
                 if stats.claimed < self.batch_size:
                     wait(poll, stop)
+        self._give_up_unrecorded()
+
+    def _give_up_unrecorded(self) -> None:
+        """On the way out: one last try to record kept outcomes, else say what happens to them."""
+        if self._unrecorded is None:
+            return
+        close_old_connections()
+        try:
+            self._record_unrecorded()
+        except DatabaseError:
+            count = len(self._unrecorded.outcomes)
+            self._unrecorded = None
+            logger.error(
+                "outbox relay stops with the outcomes of %d published events unrecorded: they "
+                "are published again, with the same event ids, once their lease ends",
+                count,
+                extra={"outbox_unrecorded": count},
+            )
 
     # --- claim --------------------------------------------------------------------------------
 
@@ -273,6 +376,9 @@ class Relay:
             if not rows:
                 return [], clock
             token = uuid.uuid4()
+            if presence.enabled(self.using):
+                # Before the lease commits, so no relay ever sees the batch without its lock.
+                presence.hold(self.using, token)
             # The lease runs from now, not from ``now``: the claim may have queued for row locks
             # (without SKIP LOCKED), and the publish budget counts from after the claim, so a
             # lease counted from before the wait could run out first.
@@ -463,6 +569,11 @@ class Relay:
                 stats.released = mine.filter(pk__in=untried).update(
                     locked_until=None, relay_token=None
                 )
+        if presence.enabled(self.using) and token is not None:
+            # After the commit: until then the batch's rows still carry the token. A lock lost
+            # with a broken connection needs no letting go.
+            with contextlib.suppress(DatabaseError):
+                presence.let_go(self.using, token)
         self._announce(sent, failures, stats, now)
         return stats
 
@@ -505,6 +616,61 @@ class Relay:
                 stats.lost,
                 extra={"outbox_lost": stats.lost},
             )
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcomes:
+    """A published batch's outcomes, kept while the database cannot take them."""
+
+    events: list[OutboxEvent]
+    outcomes: dict[int, BaseException | None]
+    clock: DatabaseClock
+    kept_at: float
+
+
+class _LeaseRenewal:
+    """Renews a batch's lease from a thread while the batch is published, so the lease can be
+    short without cutting a slow batch. The thread has its own connection (Django's are per
+    thread); its updates are fenced on the batch's token, so a batch that was taken over is
+    left alone. Nothing is renewed while the relay runs inside an outer transaction (tests):
+    its claim is not visible to another connection then."""
+
+    def __init__(self, relay: Relay, token: uuid.UUID | None, clock: DatabaseClock) -> None:
+        self.relay, self.token, self.clock = relay, token, clock
+        self.interval = relay.lease_seconds / 3
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _LeaseRenewal:
+        if self.token is not None and not connections[self.relay.using].in_atomic_block:
+            self._thread = threading.Thread(
+                target=self._renew, name="outbox-lease-renewal", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _renew(self) -> None:
+        try:
+            while not self._stopped.wait(self.interval):
+                until = self.clock.now() + timedelta(seconds=self.relay.lease_seconds)
+                try:
+                    renewed = (
+                        self.relay._events()
+                        .filter(relay_token=self.token, status=OutboxStatus.PENDING)
+                        .update(locked_until=until)
+                    )
+                except DatabaseError:
+                    logger.warning("outbox relay could not renew its lease", exc_info=True)
+                    continue
+                if not renewed:
+                    return
+        finally:
+            connections[self.relay.using].close()
 
 
 def _publish_many(
@@ -554,28 +720,48 @@ _Wait = Callable[[float, threading.Event], None]
 
 class _waiter:  # noqa: N801  (used as a context manager, like contextlib's)
     """Sleep until the next pass: on PostgreSQL with psycopg 3, LISTEN on a connection of its
-    own and wake at the first NOTIFY from a publishing commit; elsewhere, just the poll."""
+    own and wake at the first NOTIFY from a publishing commit; elsewhere, just the poll.
+
+    A LISTEN connection that breaks (a database restart) is made again at the next wait that
+    finds the database answering, and that wait returns at once: commits made while nobody
+    listened sent their NOTIFY to no one, so a pass looks for their events."""
 
     def __init__(self, using: str) -> None:
         self.using = using
         self.listener: Any = None
+        self.wanted = False
 
     def __enter__(self) -> _Wait:
         connection = connections[self.using]
         if conf.OUTBOX_NOTIFY and connection.vendor == "postgresql":
+            self.wanted = True
             try:
-                raw = connection.get_new_connection(connection.get_connection_params())
-                raw.autocommit = True
-                raw.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                if hasattr(raw, "notifies"):
-                    self.listener = raw
-                else:  # psycopg2: no blocking notifies() API; poll instead
-                    raw.close()
+                self.listener = self._listen()
             except Exception:
                 logger.warning("outbox relay cannot LISTEN; polling instead", exc_info=True)
         return self.wait
 
+    def _listen(self) -> Any:
+        connection = connections[self.using]
+        raw = connection.get_new_connection(connection.get_connection_params())
+        if not hasattr(raw, "notifies"):  # psycopg2: no blocking notifies() API; poll instead
+            self.wanted = False
+            raw.close()
+            return None
+        raw.autocommit = True
+        raw.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        return raw
+
     def wait(self, timeout: float, stop: threading.Event) -> None:
+        if self.listener is None and self.wanted:
+            try:
+                self.listener = self._listen()
+            except Exception:
+                logger.debug("outbox relay cannot LISTEN yet", exc_info=True)
+            else:
+                if self.listener is not None:
+                    logger.warning("outbox relay is listening for commits again")
+                    return
         if self.listener is None:
             stop.wait(timeout)
             return
@@ -586,11 +772,18 @@ class _waiter:  # noqa: N801  (used as a context manager, like contextlib's)
                 for _ in self.listener.notifies(timeout=min(left, 1.0), stop_after=1):
                     return
         except Exception:
-            logger.warning("outbox relay lost its LISTEN connection; polling", exc_info=True)
-            self.__exit__()
+            logger.warning(
+                "outbox relay lost its LISTEN connection; polling until it is back",
+                exc_info=True,
+            )
+            self._close()
 
-    def __exit__(self, *exc: object) -> None:
+    def _close(self) -> None:
         listener, self.listener = self.listener, None
         if listener is not None:
             with contextlib.suppress(Exception):  # already broken
                 listener.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self.wanted = False
+        self._close()

@@ -8,6 +8,10 @@ database. So Redis can make an answer cheaper but can never decide one: there is
 marker in Redis, and a Redis that is down, slow or restarted can never refuse a retry (409) or
 replay something the database does not hold.
 
+Each command names one key (``GET``, ``SET``, ``DEL``), under a name hash-tagged per record
+(:func:`redis_key`), so the fast path runs unchanged on Redis Cluster
+(:class:`django_idempotency.redis_cluster.ClusterConnectionFactory`).
+
 Any Redis error is logged, sent as :data:`~django_idempotency.signals.fast_path_failed` and
 answered by the database instead. The process then leaves Redis alone for
 ``CACHE_RETRY_SECONDS``, so a Redis that hangs costs one timeout, not one per request; copies are
@@ -17,6 +21,7 @@ operator released.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -31,7 +36,7 @@ from django_idempotency.core.types import Identity, StoredResponse
 from django_idempotency.exceptions import IdempotencyConfigurationError
 from django_idempotency.request import events
 
-__all__ = ["REDIS_ERRORS", "enabled", "forget", "lookup", "redis_key", "remember"]
+__all__ = ["REDIS_ERRORS", "enabled", "forget", "hash_tag", "lookup", "redis_key", "remember"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +48,18 @@ except ImportError:  # pragma: no cover - only without the "redis" extra, where 
         pass
 
 
+try:
+    from redis.exceptions import RedisClusterException
+except ImportError:  # pragma: no cover - redis-py before 4.1 has no cluster client
+
+    class RedisClusterException(Exception):  # type: ignore[no-redef]
+        pass
+
+
 #: What counts as "Redis failed": the client's own errors, and the socket errors beneath them.
-REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError)
+#: redis-py's cluster client raises ``RedisClusterException`` (not a ``RedisError``) when no node
+#: answers or a slot has no master, as happens in the seconds of a failover.
+REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 
 #: ``key_released`` reasons for a request giving up its own PROCESSING record, which never has
 #: a copy in Redis; any other release (the admin's, a sweep's) deletes the copy.
@@ -81,9 +96,26 @@ def _client() -> Any:
 
 
 def redis_key(scope: str, key: str) -> str:
-    """The copy's name. The scope's length keeps ``("a:b", "c")`` apart from ``("a", "b:c")``."""
+    """The copy's name, under the cache's ``KEY_PREFIX`` and ``VERSION``.
+
+    ``idem:{<scope digest>:<record digest>}:<key>``. The braces are a Redis Cluster hash tag:
+    every name a record will ever have hashes to one slot, so a script or a transaction over
+    them stays legal on a cluster, while records spread over all slots. The tag is made of
+    digests so that nothing a client sends can end it early or open another; the record digest
+    (128 bits over the scope, its length and the key, so ``("a:b", "c")`` and ``("a", "b:c")``
+    differ) tells records apart, the scope digest finds one scope's copies with ``SCAN``, and
+    the key at the end finds one key's.
+    """
     cache = caches[conf.CACHE_ALIAS or "default"]
-    return str(cache.make_key(f"idem:{len(scope)}:{scope}:{key}"))
+    return str(cache.make_key(f"idem:{{{hash_tag(scope, key)}}}:{key}"))
+
+
+def hash_tag(scope: str, key: str) -> str:
+    """What sits between the braces of every Redis name of the record ``(scope, key)``."""
+    scope_digest = hashlib.sha256(scope.encode(errors="surrogatepass")).hexdigest()[:16]
+    record = f"{len(scope)}:{scope}:{key}".encode(errors="surrogatepass")
+    record_digest = hashlib.sha256(record).hexdigest()[:32]
+    return f"{scope_digest}:{record_digest}"
 
 
 def lookup(identity: Identity) -> StoredResponse | None:

@@ -10,6 +10,10 @@ Four operations, each one short statement or transaction, each judged by the dat
   request that lost its lease to a takeover updates nothing, and the caller rolls back.
 * :func:`release` deletes the record if this request still owns it, so a retry runs at once.
 * :func:`extend` pushes a lease forward (the heartbeat).
+
+Every statement on the records table names the record by its scope and key, the unique
+constraint, so the table can be distributed by scope (Citus; ``docs/operations.md``) and each
+statement still reaches one shard. ``tests/test_shard_ready.py`` holds every path to it.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from django_idempotency.core.types import (
     Replay,
     StoredResponse,
 )
-from django_idempotency.db import dialect, to_datetime
+from django_idempotency.db import dialect, prepared, to_datetime
 from django_idempotency.db import postgresql as pg
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.querysets import expired_q, stale_q
@@ -166,9 +170,11 @@ def _claim_portable(identity: Identity, using: str, owner_token: uuid.UUID) -> D
         else:
             # Fenced on the record being as we judged it: same owner, and still absent or stale
             # by the same rules, so a request that completed or took it over meanwhile is never
-            # overwritten.
+            # overwritten. The scope and key name the row as every other statement here does,
+            # so a table distributed by scope routes it to one shard (docs/operations.md).
             updated = (
                 IdempotencyRecord.objects.using(using)
+                .for_key(identity.scope, identity.key)
                 .filter(pk=record.pk, owner_token=record.owner_token)
                 .filter(stale_q(now, identity.fingerprint) if takeover else expired_q(now))
                 .update(
@@ -235,6 +241,7 @@ def _take_over_dead_owner(
     with _owner_lock(using, owner_token) as held:
         updated = (
             IdempotencyRecord.objects.using(using)
+            .for_key(identity.scope, identity.key)
             .filter(pk=record.pk, owner_token=record.owner_token, status=PROCESSING)
             .filter(fingerprint=identity.fingerprint)
             .update(
@@ -346,8 +353,9 @@ def _claim_postgresql(identity: Identity, using: str, owner_token: uuid.UUID) ->
     params["owner_lock"] = presence.lock_id(owner_token)
     # A plain cursor rather than .raw(): this runs on every write request, and building the row
     # by hand costs a fraction of RawQuerySet's column resolution.
-    with connection.cursor() as cursor:
-        cursor.execute(_postgresql_claim_text(using, owner_lock), params)
+    with prepared.cursor(connection) as cursor:
+        statement = _postgresql_claim_text(using, owner_lock, not connection.in_atomic_block)
+        cursor.execute(statement, params)
         row = cursor.fetchone()
         names = [column.name for column in cursor.description or ()]
     if row is None:
@@ -377,14 +385,21 @@ _CLAIM_COLUMNS = (
 
 
 @functools.lru_cache(maxsize=16)
-def _postgresql_claim_text(using: str, owner_lock: bool) -> str:
-    """The claim statement; its text depends only on the connection, so it is built once."""
-    quote = connections[using].ops.quote_name
+def _postgresql_claim_text(using: str, owner_lock: bool, own_transaction: bool) -> str:
+    """The claim statement; its text depends only on the connection, so it is built once.
+
+    Only a claim that is its own transaction commits asynchronously: inside a caller's open
+    transaction the setting would reach the caller's own commit."""
+    connection = connections[using]
+    quote = connection.ops.quote_name
     return pg.claim_statement(
         quote(IdempotencyRecord._meta.db_table),
         lambda name: quote(_column(name)),
         _CLAIM_COLUMNS,
+        column_types={name: str(_field(name).db_type(connection)) for name in _CLAIM_COLUMNS},
+        returned=[quote(_column(name)) for name in _concrete_names()],
         owner_lock=owner_lock,
+        asynchronous_commit=own_transaction,
     )
 
 
@@ -441,7 +456,7 @@ def release(lease: Lease) -> bool:
             PROCESSING,
             presence.lock_id(lease.owner_token),
         ]
-        with connection.cursor() as cursor:
+        with prepared.cursor(connection) as cursor:
             cursor.execute(statement, params)
             return bool(cursor.fetchone()[0])
     deleted, _ = (
@@ -473,7 +488,7 @@ def _update_owned(lease: Lease, values: dict[str, Any], *, completed: bool) -> i
     ]
     release_lock = completed and lease.owner_lock
     postgresql = connection.vendor == "postgresql"
-    with connection.cursor() as cursor:
+    with prepared.cursor(connection) as cursor:
         sql = _update_owned_sql(lease.using, tuple(values), completed)
         if release_lock and postgresql:
             # One round trip: the completion, and the owner lock let go.

@@ -3,14 +3,11 @@ reading back what reached the broker."""
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -19,13 +16,14 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from django.db import connections, transaction
 from kombu import Connection, Exchange, Queue
 
 from django_idempotency.outbox import publish
-from tests.outbox_support import REPO_ROOT, database_env
+from tests.outbox_support import database_env
+from tests.reliability.processes import Child
 from tests.testapp.models import Widget
 
 _STATS_LINE = re.compile(
@@ -34,72 +32,19 @@ _STATS_LINE = re.compile(
 STAT_NAMES = ("claimed", "published", "failed", "dead", "released", "lost")
 
 
-class Child:
-    """A process in its own session, its output in a file the test can read; killed with its
-    process group by ``close()`` however the test ends."""
-
-    def __init__(self, args: list[str], env: dict[str, str], name: str) -> None:
-        self.name = name
-        self.log: IO[bytes] = tempfile.NamedTemporaryFile(prefix=f"rel-{name}-", suffix=".log")  # noqa: SIM115
-        self.process = subprocess.Popen(
-            args,
-            cwd=str(REPO_ROOT),
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def output(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL the whole group at once: no handler runs, nothing is cleaned up."""
-        with suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(30)
-
-    def terminate(self, timeout: float = 30) -> int:
-        """SIGTERM (a clean stop) and wait; SIGKILL if it does not stop in ``timeout``."""
-        if self.alive():
-            with suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return int(self.process.returncode)
-
-    def close(self) -> None:
-        if self.alive():
-            self.kill()
-        else:  # the group may outlive its leader
-            with suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-        self.log.close()
-
-    def tail(self, chars: int = 4000) -> str:
-        return f"--- {self.name} (pid {self.pid}) output ---\n{self.output()[-chars:]}"
-
-
 class RelayProcess(Child):
     """``manage.py outbox_relay --loop`` publishing to the private node."""
 
-    def __init__(self, amqp_url: str, exchange: str, *, lease_seconds: float, name: str) -> None:
+    def __init__(
+        self, amqp_url: str, exchange: str, *, lease_seconds: float, name: str, **extra: str
+    ) -> None:
         env = {
             **database_env(),
             "DJANGO_SETTINGS_MODULE": "tests.reliability.outbox_settings",
             "REL_AMQP_URL": amqp_url,
             "REL_EXCHANGE": exchange,
             "REL_LEASE_SECONDS": str(lease_seconds),
+            **extra,
         }
         args = [sys.executable, "-m", "django", "outbox_relay", "--loop", "--sleep", "0.5"]
         super().__init__(args, env, name)

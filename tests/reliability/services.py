@@ -1,4 +1,5 @@
-"""Private PostgreSQL and Redis servers for the fault tests, started and removed by the suite.
+"""Private PostgreSQL, MariaDB and Redis servers for the fault tests, started and removed by the
+suite.
 
 The shared services are never stopped: a test that needs a database or a Redis to die gets its
 own, on a free port, and kills or restarts that one. Each is removed in a finalizer, whatever
@@ -28,11 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
-from tests.servers import ROOT, Server, free_port, gunicorn
+from tests.servers import ROOT, Server, free_port, gunicorn, process_alive
 
 PG_VERSION = "15"
 #: Cluster names: ``reliability_<pid of the pytest process>_<suffix>``.
@@ -41,16 +42,8 @@ _CLUSTER_NAME = re.compile(rf"^{CLUSTER_PREFIX}(\d+)(_\w+)?$")
 DATABASE = "reliability"
 #: Where private Redis servers note their pid, so a later run can remove a crashed run's ones.
 REDIS_STATE = Path(tempfile.gettempdir()) / "django_idempotency_reliability_redis"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+#: Private MariaDB servers live in ``<pid of the run>-<port>/`` here: data, socket, pid file, log.
+MARIADB_STATE = Path(tempfile.gettempdir()) / "django_idempotency_reliability_mariadb"
 
 
 def _wait_for_port(port: int, deadline: float = 60, *, listening: bool = True) -> None:
@@ -76,6 +69,36 @@ def _run(command: list[str], timeout: float = 120) -> None:
 # --- PostgreSQL --------------------------------------------------------------------------------
 
 
+class PrivateDatabase(Protocol):
+    """What the chaos run and the worker kills need of a private server, whichever it is."""
+
+    #: Django's ``connection.vendor`` for it, and the name a report gives it.
+    vendor: str
+    label: str
+    port: int
+    database: str
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def log(self) -> Path: ...
+
+    def start(self) -> float: ...
+
+    def stop(self) -> None: ...
+
+    def crash(self) -> None: ...
+
+    def restart(self) -> float: ...
+
+    def connect(self, database: str | None = None) -> Any: ...
+
+    def in_transaction(
+        self, connection: Any, like: str, session: tuple[int, str] | None = None
+    ) -> list[tuple[int, str]]: ...
+
+
 @dataclass
 class PrivatePostgres:
     """A PostgreSQL 15 cluster of Debian's pg_createcluster, on a port of its own, trust auth."""
@@ -83,10 +106,17 @@ class PrivatePostgres:
     name: str
     port: int
     database: str = DATABASE
+    vendor: str = "postgresql"
+    label: str = "PostgreSQL"
 
     @property
     def url(self) -> str:
         return f"postgres://postgres@127.0.0.1:{self.port}/{self.database}"
+
+    @property
+    def log(self) -> Path:
+        """The cluster's server log, dropped with the cluster."""
+        return Path(f"/var/log/postgresql/postgresql-{PG_VERSION}-{self.name}.log")
 
     def ctl(self, action: str, timeout: float = 120) -> None:
         _run(["pg_ctlcluster", "--skip-systemctl-redirect", PG_VERSION, self.name, action],
@@ -99,6 +129,12 @@ class PrivatePostgres:
     def stop(self) -> None:
         """A fast shutdown: open connections are terminated, as in a failover or a reboot."""
         self.ctl("stop")
+
+    def crash(self) -> None:
+        """An immediate shutdown: no checkpoint, and WAL not yet flushed is lost, as when the
+        machine loses power. The next start recovers from the WAL on disk."""
+        _run(["pg_ctlcluster", "--skip-systemctl-redirect", PG_VERSION, self.name, "stop",
+              "-m", "immediate"])  # fmt: skip
 
     def restart(self) -> float:
         """A real server restart (fast shutdown, then start), not a reload; returns the moment
@@ -146,6 +182,21 @@ class PrivatePostgres:
             connect_timeout=5,
         )
 
+    def in_transaction(
+        self, connection: Any, like: str, session: tuple[int, str] | None = None
+    ) -> list[tuple[int, str]]:
+        """``(client port, last statement)`` of the sessions idle inside a transaction whose last
+        statement matches ``like``; with ``session``, that one if it still is."""
+        query = (
+            "SELECT client_port, query FROM pg_stat_activity "
+            "WHERE datname = %s AND state = 'idle in transaction' AND query LIKE %s"
+        )
+        params: list[Any] = [self.database, like]
+        if session is not None:
+            query += " AND client_port = %s AND query = %s"
+            params += list(session)
+        return [(int(port), text) for port, text in connection.execute(query, params).fetchall()]
+
     def server_env(self) -> dict[str, str]:
         """The environment that points a Django process of the test project at this cluster."""
         return {
@@ -172,7 +223,7 @@ def drop_stale_clusters() -> None:
     """Drop the clusters of earlier runs whose pytest process is gone."""
     for name in _clusters():
         match = _CLUSTER_NAME.match(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             drop_cluster(name)
 
 
@@ -185,8 +236,12 @@ def drop_cluster(name: str) -> None:
     )
 
 
-def _migrate(postgres: PrivatePostgres) -> None:
-    environment = {**os.environ, **postgres.server_env()}
+#: What points a Django process at a private server: by default the test project's settings.
+ServerEnv = Callable[[Any], dict[str, str]]
+
+
+def _migrate(server: PrivateDatabase, server_env: ServerEnv) -> None:
+    environment = {**os.environ, **server_env(server)}
     result = subprocess.run(
         [sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
         cwd=ROOT,
@@ -196,12 +251,17 @@ def _migrate(postgres: PrivatePostgres) -> None:
         timeout=300,
     )
     if result.returncode != 0:
-        raise RuntimeError(f"migrate on the private cluster failed:\n{result.stderr}")
+        raise RuntimeError(f"migrate on the private {server.label} failed:\n{result.stderr}")
 
 
 @contextlib.contextmanager
-def private_postgres_cluster(suffix: str = "load") -> Iterator[PrivatePostgres]:
-    """Create, start and migrate a private cluster; drop it on exit, whatever happened."""
+def private_postgres_cluster(
+    suffix: str = "load", *, server_env: ServerEnv = PrivatePostgres.server_env
+) -> Iterator[PrivatePostgres]:
+    """Create, start and migrate a private cluster; drop it on exit, whatever happened.
+
+    ``server_env`` names the project whose migrations run (the chaos run migrates the demo's).
+    """
     if shutil.which("pg_createcluster") is None:
         pytest.skip("Debian's postgresql-common (pg_createcluster) is not installed")
     drop_stale_clusters()
@@ -216,7 +276,7 @@ def private_postgres_cluster(suffix: str = "load") -> Iterator[PrivatePostgres]:
         postgres.start()
         with postgres.connect("postgres") as connection:
             connection.execute(f'CREATE DATABASE "{postgres.database}"')
-        _migrate(postgres)
+        _migrate(postgres, server_env)
         yield postgres
     finally:
         drop_cluster(name)
@@ -227,6 +287,223 @@ def private_postgres() -> Iterator[PrivatePostgres]:
     """One private cluster for the session, with the test project's schema."""
     with private_postgres_cluster() as postgres:
         yield postgres
+
+
+# --- MariaDB -----------------------------------------------------------------------------------
+
+MARIADBD = "/usr/sbin/mariadbd"
+
+
+class _Session:
+    """A MySQLdb connection with psycopg's ``execute()``, so the same code reads either server."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def execute(self, query: str, params: list[Any] | None = None) -> Any:
+        cursor = self.connection.cursor()
+        cursor.execute(query, params)
+        return cursor
+
+    def __enter__(self) -> _Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.connection.close()
+
+
+@dataclass
+class PrivateMariaDB:
+    """A mariadbd child process on a port of its own, its data directory made by
+    mariadb-install-db: root with an empty password, as on the shared server.
+
+    Stopped with SIGTERM (a clean shutdown: open connections are cut) or SIGKILL (InnoDB
+    recovers from its redo log at the next start). Its ``performance_schema`` keeps each
+    session's last statement, so a worker can be caught inside its transaction as
+    ``pg_stat_activity`` allows on PostgreSQL.
+    """
+
+    port: int
+    directory: Path
+    database: str = DATABASE
+    vendor: str = "mysql"
+    label: str = "MariaDB"
+    process: subprocess.Popen[bytes] | None = None
+    history: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"mysql://root@127.0.0.1:{self.port}/{self.database}"
+
+    @property
+    def log(self) -> Path:
+        """The server's error log (deadlocks included), gone with the server."""
+        return self.directory / "error.log"
+
+    @property
+    def _pidfile(self) -> Path:
+        """Written by us, not by mariadbd (which removes its own on a clean stop): the process a
+        later run kills if this one crashed."""
+        return self.directory / "server.pid"
+
+    def install(self) -> None:
+        _run(["mariadb-install-db", "--no-defaults", "--auth-root-authentication-method=normal",
+              f"--datadir={self.directory / 'data'}", f"--user={_user()}",
+              "--skip-test-db"])  # fmt: skip
+
+    def start(self, deadline: float = 60) -> float:
+        """Start the server; returns the moment (``time.time()``) it first answered a query."""
+        assert self.process is None or self.process.poll() is not None, "already running"
+        self.process = subprocess.Popen(
+            [MARIADBD, "--no-defaults", f"--datadir={self.directory / 'data'}",
+             f"--port={self.port}", "--bind-address=127.0.0.1",
+             f"--socket={self.directory / 'sock'}", f"--pid-file={self.directory / 'mariadbd.pid'}",
+             f"--log-error={self.log}", f"--user={_user()}",
+             "--max-connections=200", "--innodb-buffer-pool-size=128M",
+             "--innodb-print-all-deadlocks=ON",
+             "--performance-schema=ON",
+             "--performance-schema-consumer-events-statements-current=ON"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self.history.append(self.process)
+        self._pidfile.write_text(str(self.process.pid))
+        end = time.monotonic() + deadline
+        while not self._answers():
+            if self.process.poll() is not None or time.monotonic() > end:
+                log = self.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"private MariaDB did not start:\n{log}")
+            time.sleep(0.01)
+        return time.time()
+
+    def stop(self) -> None:
+        """SIGTERM: a clean shutdown that cuts every open connection, as in a restart."""
+        self._signal(signal.SIGTERM)
+
+    def crash(self) -> None:
+        """SIGKILL: no shutdown at all, as when the machine loses power."""
+        self._signal(signal.SIGKILL)
+
+    def restart(self) -> float:
+        """Stop (SIGTERM) and start; returns the moment the new server first answered."""
+        self.stop()
+        return self.start()
+
+    def _signal(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+            self.process.wait(120)
+        _wait_for_port(self.port, listening=False)
+
+    def _answers(self) -> bool:
+        try:
+            with self.connect("mysql") as connection:
+                connection.execute("SELECT 1")
+        except Exception:  # any failure to connect or to answer means "not up"
+            return False
+        return True
+
+    def connect(self, database: str | None = None) -> _Session:
+        """A MySQLdb connection in autocommit, for counting effects behind the server's back."""
+        import MySQLdb
+
+        connection = MySQLdb.connect(
+            host="127.0.0.1",
+            port=self.port,
+            user="root",
+            passwd="",
+            db=database or self.database,
+            autocommit=True,
+            connect_timeout=5,
+            charset="utf8mb4",
+        )
+        return _Session(connection)
+
+    def in_transaction(
+        self, connection: Any, like: str, session: tuple[int, str] | None = None
+    ) -> list[tuple[int, str]]:
+        """As :meth:`PrivatePostgres.in_transaction`: a session sleeping (between statements)
+        with an InnoDB transaction open; its last statement from ``performance_schema``."""
+        query = (
+            "SELECT p.HOST, s.SQL_TEXT FROM information_schema.PROCESSLIST p "
+            "JOIN performance_schema.threads t ON t.PROCESSLIST_ID = p.ID "
+            "JOIN performance_schema.events_statements_current s ON s.THREAD_ID = t.THREAD_ID "
+            "WHERE p.DB = %s AND p.COMMAND = 'Sleep' AND s.SQL_TEXT LIKE %s "
+            # A JOIN on INNODB_TRX finds nothing here (MariaDB 10.11); EXISTS does.
+            "AND EXISTS (SELECT 1 FROM information_schema.INNODB_TRX x "
+            "WHERE x.trx_mysql_thread_id = p.ID)"
+        )
+        params: list[Any] = [self.database, like]
+        if session is not None:
+            query += " AND SUBSTRING_INDEX(p.HOST, ':', -1) = %s AND s.SQL_TEXT = %s"
+            params += [str(session[0]), session[1]]
+        rows = connection.execute(query, params).fetchall()
+        return [(int(host.rsplit(":", 1)[1]), text) for host, text in rows]
+
+    def server_env(self) -> dict[str, str]:
+        """The environment that points a Django process of the test project at this server."""
+        return {
+            "TEST_DATABASE": "mariadb",
+            "MARIADB_URL": self.url,
+            "TEST_DATABASE_NAME": self.database,
+            "DJANGO_SETTINGS_MODULE": "tests.reliability.settings_load",
+            "PYTHONPATH": str(ROOT),
+        }
+
+    def close(self) -> None:
+        for process in self.history:
+            if process.poll() is None:
+                process.kill()
+            process.wait(30)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _user() -> str:
+    """mariadbd runs as root only when told to; as anyone else, as that user."""
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+def kill_stale_mariadb() -> None:
+    """Kill the private MariaDB servers of earlier runs whose process is gone; remove their data."""
+    if not MARIADB_STATE.is_dir():
+        return
+    for directory in MARIADB_STATE.iterdir():
+        owner = directory.name.split("-")[0]
+        if not owner.isdigit() or process_alive(int(owner)):
+            continue
+        with contextlib.suppress(ValueError, OSError):
+            pid = int((directory / "server.pid").read_text())
+            if b"mariadbd" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def private_mariadb_server(
+    suffix: str = "load", *, server_env: ServerEnv = PrivateMariaDB.server_env
+) -> Iterator[PrivateMariaDB]:
+    """Install, start and migrate a private MariaDB; kill it and remove its data on exit,
+    whatever happened. ``server_env`` as for :func:`private_postgres_cluster`."""
+    for tool in (MARIADBD, "mariadb-install-db"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed (mariadb-server)")
+    kill_stale_mariadb()
+    port = free_port()
+    mariadb = PrivateMariaDB(port, MARIADB_STATE / f"{os.getpid()}-{port}-{suffix}")
+    try:
+        mariadb.directory.mkdir(parents=True)
+        mariadb.install()
+        mariadb.start()
+        with mariadb.connect("mysql") as connection:
+            connection.execute(
+                f"CREATE DATABASE `{mariadb.database}` "
+                "CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci"
+            )
+        _migrate(mariadb, server_env)
+        yield mariadb
+    finally:
+        mariadb.close()
 
 
 # --- Redis -------------------------------------------------------------------------------------
@@ -299,7 +576,7 @@ def kill_stale_redis() -> None:
         return
     for pidfile in REDIS_STATE.glob("*-*.pid"):
         owner = int(pidfile.name.split("-")[0])
-        if _alive(owner):
+        if process_alive(owner):
             continue
         with contextlib.suppress(ValueError, OSError):
             pid = int(pidfile.read_text())
@@ -337,6 +614,67 @@ def load_server(postgres: PrivatePostgres, *, workers: int = 4, **env: str) -> I
     env = {"GUNICORN_CMD_ARGS": "--preload", **postgres.server_env(), **env}
     with gunicorn(workers=workers, **env) as server:
         yield server
+
+
+@dataclass
+class Kill:
+    pid: int
+    #: The idempotency key the killed request was serving, when its statement names it.
+    key: str | None
+    at: float
+
+
+def socket_owner(pids: list[int], local_port: int, remote_port: int) -> int | None:
+    """The process among ``pids`` holding the TCP socket 127.0.0.1:local_port -> remote_port."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote, inode = fields[1], fields[2], fields[9]
+            if (
+                int(local.rsplit(":", 1)[1], 16) == local_port
+                and int(remote.rsplit(":", 1)[1], 16) == remote_port
+            ):
+                inodes.add(f"socket:[{inode}]")
+    for pid in pids:
+        with contextlib.suppress(OSError):  # a worker that exited meanwhile
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) in inodes:
+                        return pid
+    return None
+
+
+def kill_worker_mid_request(
+    database: PrivateDatabase,
+    server: Server,
+    like: str,
+    key: re.Pattern[str] | None = None,
+    deadline: float = 10,
+) -> Kill:
+    """SIGKILL a gunicorn worker whose request is inside its transaction right now.
+
+    The request is caught between two statements of its transaction: its session is idle in a
+    transaction with a last statement matching ``like`` (SQL LIKE), and the session's client
+    port leads to the worker process. The worker is stopped first and the session looked at
+    again, so the kill cannot land after the request moved on. ``key``, a pattern with one
+    group, reads the request's idempotency key from that statement.
+    """
+    end = time.monotonic() + deadline
+    with database.connect() as connection:
+        while time.monotonic() < end:
+            for client_port, query in database.in_transaction(connection, like):
+                match = key.search(query) if key is not None else None
+                pid = socket_owner(server.worker_pids(), client_port, database.port)
+                if not pid or (key is not None and not match):
+                    continue
+                os.kill(pid, signal.SIGSTOP)
+                if database.in_transaction(connection, like, (client_port, query)):
+                    os.kill(pid, signal.SIGKILL)
+                    return Kill(pid, match.group(1) if match else None, time.time())
+                os.kill(pid, signal.SIGCONT)  # it moved on meanwhile: look again
+            time.sleep(0.02)
+    raise AssertionError("no request was inside its transaction to kill")
 
 
 #: ``serve(workers=..., **env)``, as the ``serve`` fixture gives it.

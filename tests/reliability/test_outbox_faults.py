@@ -15,7 +15,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import pytest
 from django.db.models import Min, Q
@@ -171,11 +171,21 @@ def _commit_backlog(count: int, keys: int) -> set[str]:
     return ids
 
 
-def test_relay_sigkilled_mid_batch_is_taken_over_after_its_lease(
-    rabbit: RabbitNode, sink: tuple[str, str]
+@pytest.mark.parametrize(
+    ("take_over", "lease"),
+    [
+        pytest.param("true", 60.0, id="lock-says-gone"),
+        pytest.param("false", 6.0, id="lease-runs-out"),
+    ],
+)
+def test_relay_sigkilled_mid_batch_is_taken_over_by_its_lock_or_after_its_lease(
+    rabbit: RabbitNode, sink: tuple[str, str], take_over: str, lease: float
 ) -> None:
+    """With ``TAKE_OVER_DEAD_OWNERS`` the batch's session lock dies with the relay and the
+    successor takes the batch at once, long before its 60 s lease; without it (a pooler that
+    breaks session locks) the successor waits for the lease, and not a moment less."""
     exchange, queue = sink
-    lease = 6.0
+    setting = {"IDEMPOTENCY_TEST_TAKE_OVER_DEAD_OWNERS": take_over}
     committed = _commit_backlog(3000, keys=10)
     orphans: dict[int, datetime | None] = {}
     attempts = 0
@@ -197,7 +207,7 @@ def test_relay_sigkilled_mid_batch_is_taken_over_after_its_lease(
             attempts += 1
             assert attempts <= 5, "never caught the relay with a batch claimed"
             name = f"doomed-{attempts}"
-            first = RelayProcess(rabbit.url, exchange, lease_seconds=lease, name=name)
+            first = RelayProcess(rabbit.url, exchange, lease_seconds=lease, name=name, **setting)
             try:
                 first.wait_started()
                 floor = published.count() + 200
@@ -222,7 +232,7 @@ def test_relay_sigkilled_mid_batch_is_taken_over_after_its_lease(
                 first.close()
     published_by_first = OutboxEvent.objects.filter(status=Status.PUBLISHED).count()
 
-    second = RelayProcess(rabbit.url, exchange, lease_seconds=lease, name="successor")
+    second = RelayProcess(rabbit.url, exchange, lease_seconds=lease, name="successor", **setting)
     try:
         second.wait_started()
         orphaned = OutboxEvent.objects.filter(pk__in=orphans)
@@ -241,10 +251,13 @@ def test_relay_sigkilled_mid_batch_is_taken_over_after_its_lease(
         second.terminate()
         second.close()
 
-    # No orphan was sent again before the dead relay's lease ran out.
     for pk, published_at in orphaned.values_list("pk", "published_at"):
         lease_end = orphans[pk]
-        assert published_at is not None and lease_end is not None and published_at >= lease_end
+        assert published_at is not None and lease_end is not None
+        if take_over == "true":  # taken by the lock, long before the lease let it go
+            assert published_at < lease_end - timedelta(seconds=lease / 2)
+        else:  # no orphan was sent again before the dead relay's lease ran out
+            assert published_at >= lease_end
     assert not OutboxEvent.objects.exclude(status=Status.PUBLISHED).exists()
     assert not OutboxEvent.objects.filter(relay_token__isnull=False).exists()
 
@@ -255,7 +268,7 @@ def test_relay_sigkilled_mid_batch_is_taken_over_after_its_lease(
     orphan_ids = set(map(str, orphaned.values_list("event_id", flat=True)))
     orphan_copies = sum(1 for delivery in deliveries if delivery.message_id in orphan_ids)
     figures(
-        "relay SIGKILL",
+        f"relay SIGKILL ({'lock' if take_over == 'true' else 'lease'})",
         events=len(committed),
         kill_attempts=attempts,
         orphaned_batch=len(orphans),

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -30,6 +27,7 @@ from tests.reliability.load import (
     sleep_until,
     violations,
 )
+from tests.reliability.services import Kill, kill_worker_mid_request
 
 if TYPE_CHECKING:
     from tests.reliability.services import PrivatePostgres, PrivateRedis, Serve
@@ -55,72 +53,15 @@ def _first_ok_after(outcomes: list[Outcome], moment: float) -> float | None:
 # --- a web worker killed mid-request -----------------------------------------------------------
 
 
-@dataclass
-class Kill:
-    pid: int
-    key: str
-    at: float
-
-
-def _socket_owner(pids: list[int], local_port: int, remote_port: int) -> int | None:
-    """The process among ``pids`` holding the TCP socket 127.0.0.1:local_port -> remote_port."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local, remote, inode = fields[1], fields[2], fields[9]
-            if (
-                int(local.rsplit(":", 1)[1], 16) == local_port
-                and int(remote.rsplit(":", 1)[1], 16) == remote_port
-            ):
-                inodes.add(f"socket:[{inode}]")
-    for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            try:
-                if os.readlink(fd) in inodes:
-                    return pid
-            except OSError:
-                continue
-    return None
-
-
-def kill_worker_mid_request(
-    postgres: PrivatePostgres, server: Server, prefix: str, deadline: float = 10
-) -> Kill:
-    """SIGKILL the gunicorn worker whose request is inside its transaction right now.
+def kill_slow_request(postgres: PrivatePostgres, server: Server, prefix: str) -> Kill:
+    """SIGKILL the gunicorn worker whose slow request is inside its transaction right now.
 
     A slow request sleeps in the view after inserting its Widget, so its database session is
-    "idle in transaction" with that INSERT as its last statement: the key is in the statement,
-    and the session's client port leads to the worker process. The worker is stopped first and
-    the session looked at again, so the kill cannot land after the request moved on.
+    "idle in transaction" with that INSERT, which names the key, as its last statement.
     """
-    pattern = re.compile(rf"'({re.escape(prefix)}-[\w-]+-slow)'")
-    in_transaction = (
-        "SELECT client_port, query FROM pg_stat_activity "
-        "WHERE datname = %s AND state = 'idle in transaction' AND query LIKE %s"
+    return kill_worker_mid_request(
+        postgres, server, f"%{prefix}-%-slow%", re.compile(rf"'({re.escape(prefix)}-[\w-]+-slow)'")
     )
-    end = time.monotonic() + deadline
-    with postgres.connect() as connection:
-        while time.monotonic() < end:
-            rows = connection.execute(
-                in_transaction, [postgres.database, f"%{prefix}-%-slow%"]
-            ).fetchall()
-            for client_port, query in rows:
-                match = pattern.search(query)
-                pid = _socket_owner(server.worker_pids(), client_port, postgres.port)
-                if not (match and pid):
-                    continue
-                os.kill(pid, signal.SIGSTOP)
-                still = connection.execute(
-                    in_transaction + " AND client_port = %s AND query = %s",
-                    [postgres.database, f"%{prefix}-%-slow%", client_port, query],
-                ).fetchone()
-                if still:
-                    os.kill(pid, signal.SIGKILL)
-                    return Kill(pid, match.group(1), time.time())
-                os.kill(pid, signal.SIGCONT)  # it moved on meanwhile: look again
-            time.sleep(0.02)
-    raise AssertionError("no request was inside its transaction to kill")
 
 
 def test_worker_killed_mid_request_loses_nothing_and_its_key_is_taken_over(
@@ -134,7 +75,8 @@ def test_worker_killed_mid_request_loses_nothing_and_its_key_is_taken_over(
         with Load(config) as load:
             for offset in (3, 7):
                 sleep_until(config.start_at + offset)
-                kill = kill_worker_mid_request(private_postgres, server, config.prefix)
+                kill = kill_slow_request(private_postgres, server, config.prefix)
+                assert kill.key is not None
                 kills.append(kill)
                 # The dead request's session lock went with its connection: a retry now takes
                 # the key over (or, if PostgreSQL has not yet noticed the closed socket, is told
