@@ -5,7 +5,9 @@ without the Redis fast path, it times in one process, interleaved:
 
 * baseline: the same trivial view inside ``transaction.atomic`` (what a plain write view pays);
 * claim + complete: ``lifecycle.claim`` with a new key, then ``lifecycle.run`` storing it;
-* replay: ``lifecycle.claim`` of a completed key and rebuilding the response.
+* replay: ``lifecycle.claim`` of a completed key and rebuilding the response;
+* inbox, first delivery: ``consume_once`` of a new message id around an empty handler;
+* inbox, duplicate: ``consume_once`` of a message id already handled.
 
 and reports p50 and mean microseconds added over the baseline. Each backend runs in a fresh
 subprocess, since Django's settings are per process.
@@ -41,6 +43,7 @@ def measure(iterations: int, use_redis: bool) -> dict[str, Any]:
     from django.test import override_settings
 
     from django_idempotency.core import types
+    from django_idempotency.inbox import consume_once
     from django_idempotency.request import lifecycle
 
     def view() -> HttpResponse:
@@ -49,7 +52,13 @@ def measure(iterations: int, use_redis: bool) -> dict[str, Any]:
     def identity(key: str) -> types.Identity:
         return types.Identity("user:1", key, "f" * 64, "POST", "/api/v1/payments/")
 
-    timings: dict[str, list[float]] = {"baseline": [], "claim_complete": [], "replay": []}
+    timings: dict[str, list[float]] = {
+        "baseline": [],
+        "claim_complete": [],
+        "replay": [],
+        "consume_first": [],
+        "consume_duplicate": [],
+    }
     cpu: dict[str, list[float]] = {name: [] for name in timings}
     clock = time.thread_time_ns  # CPU of this thread: steadier than wall time on a busy machine
     replay_key = f"replay-{uuid.uuid4()}"
@@ -58,6 +67,9 @@ def measure(iterations: int, use_redis: bool) -> dict[str, Any]:
         first = lifecycle.claim(identity(replay_key))
         assert isinstance(first, types.Proceed)
         lifecycle.run(first.lease, view)
+        handled = f"message-{uuid.uuid4()}"
+        with consume_once("bench", handled):
+            pass
         for _ in range(iterations):
             start, start_cpu = time.perf_counter_ns(), clock()
             with transaction.atomic():
@@ -78,6 +90,18 @@ def measure(iterations: int, use_redis: bool) -> dict[str, Any]:
             lifecycle.replay(replay.response)
             timings["replay"].append(time.perf_counter_ns() - start)
             cpu["replay"].append(clock() - start_cpu)
+
+            start, start_cpu = time.perf_counter_ns(), clock()
+            with consume_once("bench", str(uuid.uuid4())) as consumption:
+                assert consumption
+            timings["consume_first"].append(time.perf_counter_ns() - start)
+            cpu["consume_first"].append(clock() - start_cpu)
+
+            start, start_cpu = time.perf_counter_ns(), clock()
+            with consume_once("bench", handled) as consumption:
+                assert not consumption
+            timings["consume_duplicate"].append(time.perf_counter_ns() - start)
+            cpu["consume_duplicate"].append(clock() - start_cpu)
     base = statistics.median(timings["baseline"]) / 1000
     base_mean = statistics.fmean(timings["baseline"]) / 1000
     base_cpu = statistics.median(cpu["baseline"]) / 1000
@@ -104,13 +128,15 @@ def child(backend: str, iterations: int) -> None:
 
     # keepdb: a fresh, migrated database of our own (…_micro), kept between runs.
     connection.creation.create_test_db(verbosity=0, keepdb=True)
-    from django_idempotency.models import IdempotencyRecord
+    from django_idempotency.models import IdempotencyRecord, ProcessedMessage
 
     IdempotencyRecord.objects.all().delete()
+    ProcessedMessage.objects.all().delete()
     results = {"no_redis": measure(iterations, use_redis=False)}
     if settings.CACHES["redis"]["LOCATION"]:
         results["redis"] = measure(iterations, use_redis=True)
     IdempotencyRecord.objects.all().delete()
+    ProcessedMessage.objects.all().delete()
     print("MICRO_RESULT " + json.dumps({"backend": backend, **results}))
 
 
@@ -159,9 +185,11 @@ def main() -> int:
     rows = [result for backend in BACKENDS if (result := run_backend(backend, iterations))]
     print(
         "| backend | Redis | baseline µs | claim + complete: +µs wall p50 (mean) | +µs CPU p50 "
-        "| replay: +µs wall p50 (mean) | +µs CPU p50 |"
+        "| replay: +µs wall p50 (mean) | +µs CPU p50 "
+        "| inbox first delivery: +µs wall p50 (mean) | +µs CPU p50 "
+        "| inbox duplicate: +µs wall p50 (mean) | +µs CPU p50 |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for result in rows:
         for mode in ("no_redis", "redis"):
             if mode not in result:
@@ -170,7 +198,8 @@ def main() -> int:
             print(
                 f"| {result['backend']} | {'yes' if mode == 'redis' else 'no'} "
                 f"| {timing['baseline']['p50_us']:.0f} "
-                f"| {cell(timing['claim_complete'])} | {cell(timing['replay'])} |"
+                f"| {cell(timing['claim_complete'])} | {cell(timing['replay'])} "
+                f"| {cell(timing['consume_first'])} | {cell(timing['consume_duplicate'])} |"
             )
     out = ROOT / "artifacts" / ("micro-smoke.json" if args.smoke else "micro.json")
     out.parent.mkdir(parents=True, exist_ok=True)

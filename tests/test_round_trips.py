@@ -182,3 +182,28 @@ def test_a_column_added_to_the_table_does_not_break_a_prepared_claim(key):
     finally:
         with connection.cursor() as cursor:
             cursor.execute(f"ALTER TABLE {table} DROP COLUMN added_later")
+
+
+# The inbox: the marker's insert (and, on PostgreSQL, the failure record's delete with it) is
+# one statement; a duplicate is not an error, so no savepoint wraps it. Django logs the BEGIN and
+# COMMIT of consume_once's own transaction.
+FIRST_DELIVERY = {"postgresql": 1, "sqlite": 2, "mysql": 2}
+DUPLICATE_DELIVERY = {"postgresql": 1, "sqlite": 1, "mysql": 1}
+
+
+def test_the_inbox_marks_a_message_in_one_statement(key, django_assert_num_queries):
+    from django_idempotency.inbox import consume_once
+    from django_idempotency.models import FailedMessage
+
+    with pytest.raises(RuntimeError), consume_once("billing", key):
+        raise RuntimeError("handler failed")
+    assert FailedMessage.objects.for_message("billing", key).exists()
+    first = FIRST_DELIVERY[connection.vendor] + BEGIN_COMMIT
+    with django_assert_num_queries(first) as captured, consume_once("billing", key) as consumption:
+        assert consumption
+    assert not any("SAVEPOINT" in sql for sql in statements(captured))
+    # The failure record went with the handling commit, in the insert's statement or after it.
+    assert not FailedMessage.objects.for_message("billing", key).exists()
+    duplicate = DUPLICATE_DELIVERY[connection.vendor] + BEGIN_COMMIT
+    with django_assert_num_queries(duplicate), consume_once("billing", key) as consumption:
+        assert not consumption

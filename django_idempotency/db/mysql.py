@@ -15,6 +15,7 @@ __all__ = [
     "HOLD_OWNER_LOCK",
     "LET_GO_OF_OWNER_LOCK",
     "OWNER_GONE",
+    "insert_marker",
     "relays_gone",
     "NOW",
     "lock_outbox_key",
@@ -68,3 +69,22 @@ def lock_outbox_key(connection: BaseDatabaseWrapper, table: str, bucket: int) ->
             f"INSERT INTO {quoted} (bucket) VALUES (%s) ON DUPLICATE KEY UPDATE bucket = bucket",
             [bucket],
         )
+
+
+# --- inbox -------------------------------------------------------------------------------------
+
+#: Whether :func:`insert_marker` also deletes the message's failure record (it does not: a
+#: DELETE that finds no row would hold a gap lock for the whole handler).
+MARKER_CLEARS_FAILURE = False
+
+
+def insert_marker(marker: str, failed: str, consumer: str, message_id: str, at: str) -> str:
+    """Insert the inbox marker unless it exists; one row affected when it is new.
+
+    ``IGNORE`` also downgrades other errors to warnings; the values are checked before (text of
+    at most 255 characters, an aware datetime), so only the duplicate is left for it to ignore.
+    """
+    return (
+        f"INSERT IGNORE INTO {marker} ({consumer}, {message_id}, {at}) "
+        f"VALUES (%(consumer)s, %(message_id)s, %(at)s)"
+    )

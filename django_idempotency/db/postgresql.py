@@ -28,6 +28,7 @@ __all__ = [
     "before_outbox_insert",
     "begin_outbox_claim",
     "claim_statement",
+    "insert_marker",
     "now_plus",
 ]
 
@@ -252,3 +253,28 @@ def begin_outbox_claim(connection: BaseDatabaseWrapper) -> datetime:
         row = cursor.fetchone()
     now: datetime = row[2]
     return now
+
+
+# --- inbox -------------------------------------------------------------------------------------
+
+#: Whether :func:`insert_marker` also deletes the message's failure record.
+MARKER_CLEARS_FAILURE = True
+
+
+def insert_marker(marker: str, failed: str, consumer: str, message_id: str, at: str) -> str:
+    """Insert the inbox marker unless it exists, and with it delete the message's failure record.
+
+    One statement with no savepoint (a duplicate is not an error here), where the portable form
+    takes four: SAVEPOINT, INSERT, RELEASE, and a DELETE at the end. Its one row, or none, says
+    whether the marker is new.
+    """
+    key = f"{consumer} = %(consumer)s AND {message_id} = %(message_id)s"
+    return (
+        f"WITH inserted AS ("
+        f"INSERT INTO {marker} ({consumer}, {message_id}, {at}) "
+        f"VALUES (%(consumer)s, %(message_id)s, %(at)s) "
+        f"ON CONFLICT ({consumer}, {message_id}) DO NOTHING RETURNING 1"
+        f"), cleared AS ("
+        f"DELETE FROM {failed} WHERE {key} AND EXISTS (SELECT 1 FROM inserted)"
+        f") SELECT 1 FROM inserted"
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["NOW", "now_plus"]
+__all__ = ["NOW", "insert_marker", "now_plus"]
 
 # --- idempotency records -----------------------------------------------------------------------
 
@@ -34,3 +34,18 @@ def now_plus(seconds: float) -> tuple[str, list[Any]]:
 # Nor does the relay read the time from SQLite: a SQLite database is only ever opened by the
 # processes of one machine, whose clock is the database's, and Python reads that clock to the
 # microsecond where SQLite's own ``'now'`` has milliseconds.
+
+
+# --- inbox -------------------------------------------------------------------------------------
+
+#: Whether :func:`insert_marker` also deletes the message's failure record.
+MARKER_CLEARS_FAILURE = False
+
+
+def insert_marker(marker: str, failed: str, consumer: str, message_id: str, at: str) -> str:
+    """Insert the inbox marker unless it exists; one row affected when it is new."""
+    return (
+        f"INSERT INTO {marker} ({consumer}, {message_id}, {at}) "
+        f"VALUES (%(consumer)s, %(message_id)s, %(at)s) "
+        f"ON CONFLICT ({consumer}, {message_id}) DO NOTHING"
+    )

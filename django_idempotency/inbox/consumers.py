@@ -20,13 +20,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from django.db import DatabaseError, IntegrityError, models, router, transaction
+from django.db import DatabaseError, IntegrityError, connections, models, router, transaction
+from django.db.models.options import Options
 from django.utils import timezone
 
 from django_idempotency import signals, tracing
 from django_idempotency.core.failures import describe, failure_fingerprint, failure_traceback
+from django_idempotency.db import dialect, prepared
 from django_idempotency.exceptions import IdempotencyError
 from django_idempotency.models import FailedMessage, ProcessedMessage
 
@@ -132,7 +134,8 @@ def consume_once(
             tracing.consumer_span(CONSUME_SPAN, traceparent, attributes=attributes) as span,
             transaction.atomic(using=using),
         ):
-            consumption.duplicate = not _insert_marker(consumption, using)
+            inserted, failure_cleared = _insert_marker(consumption, using)
+            consumption.duplicate = not inserted
             if span is not None:
                 span.set_attribute("idempotency.duplicate", consumption.duplicate)
             if consumption.duplicate:
@@ -152,29 +155,45 @@ def consume_once(
                 yield consumption
             finally:
                 _current.reset(token)
-            # Handled at last: an earlier failure's record goes with this commit, or stays.
-            FailedMessage.objects.using(using).for_message(
-                consumption.consumer, consumption.message_id
-            ).delete()
+            if not failure_cleared:
+                # Handled at last: an earlier failure's record goes with this commit, or stays.
+                FailedMessage.objects.using(using).for_message(
+                    consumption.consumer, consumption.message_id
+                ).delete()
     except Exception as error:
         if not consumption.duplicate:
             _record_failure(consumption, error, using)
         raise
 
 
-def _insert_marker(consumption: Consumption, using: str) -> bool:
-    """False when the marker exists: the message was (or is being) handled already."""
-    try:
-        # A savepoint, so a duplicate's IntegrityError leaves the outer transaction usable.
-        with transaction.atomic(using=using):
-            ProcessedMessage.objects.using(using).create(
-                consumer=consumption.consumer,
-                message_id=consumption.message_id,
-                processed_at=timezone.now(),
-            )
-    except IntegrityError:
-        return False
-    return True
+def _insert_marker(consumption: Consumption, using: str) -> tuple[bool, bool]:
+    """Whether the marker is new (else the message was, or is being, handled already), and
+    whether the same statement deleted the message's failure record.
+
+    One statement: a duplicate is not an error, so no savepoint is needed to survive it.
+    """
+    connection = connections[using]
+    sql = dialect(using)
+    quote = connection.ops.quote_name
+    marker, failed = ProcessedMessage._meta, FailedMessage._meta
+    statement = sql.insert_marker(
+        quote(marker.db_table),
+        quote(failed.db_table),
+        *(quote(_column(marker, name)) for name in ("consumer", "message_id", "processed_at")),
+    )
+    values = {
+        "consumer": consumption.consumer,
+        "message_id": consumption.message_id,
+        "at": connection.ops.adapt_datetimefield_value(timezone.now()),
+    }
+    with prepared.cursor(connection) as cursor:
+        cursor.execute(statement, values)
+        inserted = cursor.rowcount == 1
+    return inserted, inserted and sql.MARKER_CLEARS_FAILURE
+
+
+def _column(meta: Options[Any], name: str) -> str:
+    return str(cast("models.Field[Any, Any]", meta.get_field(name)).column)
 
 
 def _record_failure(consumption: Consumption, error: BaseException, using: str) -> None:
