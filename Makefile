@@ -123,9 +123,11 @@ chaos: $(VENV)/.installed
 	$(VENV)/bin/python -m tests.reliability.chaos --database all --json artifacts/chaos.json \
 		$(CHAOS_ARGS)
 
-## bench-relay: outbox relay events/s on PostgreSQL (POSTGRES_URL; AMQP_URL for the AMQP rows)
+## bench-relay: outbox relay events/s on PostgreSQL (POSTGRES_URL; AMQP_URL for the AMQP rows),
+## then a fleet of 1, 2 and 4 relay processes (benchmarks/relay_fleet.py)
 bench-relay: $(VENV)/.installed
 	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/relay_throughput.py $(BENCH_ARGS)
+	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/relay_fleet.py
 
 clean:
 	rm -rf $(VENV) $(VENV_DJANGO6) .coverage* site

@@ -72,7 +72,7 @@ DEFAULTS: dict[str, Any] = {
     "OUTBOX_REQUIRE_ATOMIC": True,
     "OUTBOX_KICK": "django_idempotency.tasks.kick_relay",
     "OUTBOX_NOTIFY": True,
-    "OUTBOX_BATCH_SIZE": 100,
+    "OUTBOX_BATCH_SIZE": 500,
     "OUTBOX_RELAY_LEASE_SECONDS": 15,
     "OUTBOX_MAX_ATTEMPTS": 10,
     "OUTBOX_BACKOFF_BASE_SECONDS": 1,

@@ -33,14 +33,18 @@ class FilePublisher(Publisher):
     another process sent, duplicates included. While ``hold_file`` exists, a batch waits after
     sending (published, not yet acknowledged) until the file is gone."""
 
-    def __init__(self, *, path: str, hold_file: str = "", **options: Any) -> None:
+    def __init__(self, *, path: str, hold_file: str = "", tag: str = "", **options: Any) -> None:
         super().__init__(**options)
         self.path = Path(path)
         self.hold_file = Path(hold_file) if hold_file else None
+        #: Written before each id (``"<tag> <id>"``), to tell relays apart in one shared file.
+        self.prefix = f"{tag} " if tag else ""
 
     def publish_many(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        # One write per batch (it fits the buffer), appended: relays sharing the file never
+        # interleave inside a batch, and the file's order is the order of publishing.
         with self.path.open("a") as sink:
-            sink.writelines(f"{message.event_id}\n" for message in messages)
+            sink.writelines(f"{self.prefix}{message.event_id}\n" for message in messages)
         while self.hold_file is not None and self.hold_file.exists():
             time.sleep(0.05)
         return [None] * len(messages)

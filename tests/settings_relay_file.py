@@ -15,6 +15,7 @@ IDEMPOTENCY = {
             "OPTIONS": {
                 "path": os.environ.get("REL_SENT_FILE", ""),
                 "hold_file": os.environ.get("REL_HOLD_FILE", ""),
+                "tag": os.environ.get("REL_TAG", ""),
             },
         }
     },

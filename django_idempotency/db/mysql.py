@@ -16,6 +16,8 @@ __all__ = [
     "LET_GO_OF_OWNER_LOCK",
     "OWNER_GONE",
     "insert_marker",
+    "KEY_HASH",
+    "relay_seats",
     "relays_gone",
     "NOW",
     "lock_outbox_key",
@@ -44,6 +46,16 @@ LET_GO_OF_OWNER_LOCK = "SELECT RELEASE_LOCK(%s)"
 def relays_gone(count: int) -> str:
     """One row telling, for each of ``count`` relay lock names, whether no session holds it."""
     return "SELECT " + ", ".join(["IS_FREE_LOCK(%s)"] * count)
+
+
+def relay_seats(count: int) -> str:
+    """One row: the connection holding each of ``count`` seat names (NULL: free), then this
+    session's connection id."""
+    return "SELECT " + ", ".join(["IS_USED_LOCK(%s)"] * count) + ", CONNECTION_ID()"
+
+
+#: A stable integer hash of an event key, for sharing keys between relays.
+KEY_HASH = "CRC32"
 
 
 # --- outbox ------------------------------------------------------------------------------------

@@ -20,6 +20,10 @@ __all__ = [
     "OUTBOX_KEY_LOCK_CLASS",
     "RELAY_LOCK_CLASS",
     "RELAYS_GONE",
+    "RELAY_SEATS",
+    "TAKE_RELAY_SEAT",
+    "LEAVE_RELAY_SEAT",
+    "KEY_HASH",
     "HOLD_RELAY_LOCK",
     "LET_GO_OF_RELAY_LOCK",
     "OWNER_GONE",
@@ -207,6 +211,20 @@ RELAYS_GONE = (
     f"WHEN pg_try_advisory_lock({RELAY_LOCK_CLASS}, lock_id) "
     f"THEN pg_advisory_unlock({RELAY_LOCK_CLASS}, lock_id) ELSE false END"
 )
+
+
+#: Relay seats: each running relay holds one session lock of this class, ``objid`` its seat
+#: number, so the relays can count themselves and each knows its rank among them.
+RELAY_SEAT_CLASS = 1_638_184_611
+#: The seats held: each one's number, its session, and whether that session is this one.
+RELAY_SEATS = (
+    "SELECT objid::int4, pid, pid = pg_backend_pid() FROM pg_locks WHERE locktype = 'advisory' "
+    f"AND classid = {RELAY_SEAT_CLASS}::oid AND objsubid = 2 AND granted ORDER BY objid"
+)
+TAKE_RELAY_SEAT = f"SELECT pg_try_advisory_lock({RELAY_SEAT_CLASS}, %s)"
+LEAVE_RELAY_SEAT = f"SELECT pg_advisory_unlock({RELAY_SEAT_CLASS}, %s)"
+#: A stable integer hash of an event key, for sharing keys between relays.
+KEY_HASH = "hashtext"
 
 
 def before_outbox_insert(

@@ -10,6 +10,13 @@ leases at the head of the outbox; a lease whose lock no session holds belongs to
 gone, and is released at once. A relay that restarts finds its own batch that way on its first
 pass, as does any other relay.
 
+Relays also hold a *seat* each, numbered from 0: a session lock on a connection of the relay's
+own, kept for as long as the relay runs (its ordinary connection may close between passes, as
+``CONN_MAX_AGE`` says). Counting the seats held tells a relay how many relays run and its rank
+among them, which is how they share the keys (see ``Relay._claim``). A relay that stops or dies
+leaves its seat with that connection, and the others' ranks and count change at their next
+look, within a second.
+
 The lease stays the fallback: on SQLite, when ``TAKE_OVER_DEAD_OWNERS`` is off (behind a pooler
 that does not keep sessions, PgBouncer in transaction mode), and for a relay that is alive but
 cannot reach the database. Releasing a dead relay's batch never loses an event: at worst the
@@ -20,13 +27,29 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
 
 from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency.conf import conf
 from django_idempotency.db import mysql, postgresql
 
-__all__ = ["enabled", "gone", "hold", "let_go"]
+__all__ = [
+    "SEATS",
+    "Seat",
+    "enabled",
+    "fleet",
+    "gone",
+    "hold",
+    "let_go",
+    "seat_connection",
+    "take_seat",
+]
+
+#: Seats there are: relays beyond this many run without one and take from every key.
+SEATS = 64
 
 
 def enabled(using: str) -> bool:
@@ -75,3 +98,82 @@ def gone(using: str, tokens: Collection[uuid.UUID]) -> set[uuid.UUID]:
         cursor.execute(mysql.relays_gone(len(ordered)), [_lock_name(t) for t in ordered])
         free = cursor.fetchone()
         return {token for token, is_free in zip(ordered, free, strict=True) if is_free}
+
+
+# --- seats -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Seat:
+    """A relay's place in the fleet: the seat it holds, its rank among the seats held, and how
+    many are held (the number of running relays)."""
+
+    number: int
+    rank: int
+    fleet: int
+
+
+def _seat_name(number: int) -> str:
+    return f"outbox-relay-seat:{number}"
+
+
+def take_seat(connection: BaseDatabaseWrapper) -> Seat | None:
+    """Hold a seat on this connection, or keep the one it holds, and say where it ranks;
+    ``None`` when every seat is taken. One round trip when the seat is already held.
+
+    Relays are counted by session, and ranked by their lowest seat, so a session that somehow
+    holds two seats still counts once and no share of the keys is left without a relay.
+    """
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(postgresql.RELAY_SEATS)
+            rows = cursor.fetchall()
+            held = [(seat, holder) for seat, holder, _ in rows]
+            me = next((holder for _, holder, own in rows if own), None)
+            if me is None:
+                cursor.execute("SELECT pg_backend_pid()")
+                me = cursor.fetchone()[0]
+                taken = {seat for seat, _ in held}
+                for seat in (number for number in range(SEATS) if number not in taken):
+                    cursor.execute(postgresql.TAKE_RELAY_SEAT, [seat])
+                    if cursor.fetchone()[0]:
+                        held.append((seat, me))
+                        break
+                else:
+                    return None
+        else:
+            names = [_seat_name(number) for number in range(SEATS)]
+            cursor.execute(mysql.relay_seats(SEATS), names)
+            *holders, me = cursor.fetchone()
+            held = [(seat, holder) for seat, holder in enumerate(holders) if holder is not None]
+            if me not in holders:
+                for seat in (number for number, holder in enumerate(holders) if holder is None):
+                    cursor.execute(mysql.HOLD_OWNER_LOCK, [names[seat]])
+                    if cursor.fetchone()[0] == 1:
+                        held.append((seat, me))
+                        break
+                else:
+                    return None
+    first_seat: dict[Any, int] = {}
+    for seat, holder in sorted(held):
+        first_seat.setdefault(holder, seat)
+    ranked = sorted(first_seat, key=first_seat.__getitem__)
+    return Seat(number=first_seat[me], rank=ranked.index(me), fleet=len(ranked))
+
+
+def fleet(using: str) -> int:
+    """How many relays hold a seat, without taking one."""
+    connection = connections[using]
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(postgresql.RELAY_SEATS)
+            return len({holder for _, holder, _ in cursor.fetchall()})
+        cursor.execute(mysql.relay_seats(SEATS), [_seat_name(n) for n in range(SEATS)])
+        *holders, _ = cursor.fetchone()
+        return len({holder for holder in holders if holder is not None})
+
+
+def seat_connection(using: str) -> BaseDatabaseWrapper:
+    """A connection of the relay's own for its seat, apart from the thread's (autocommit, so it
+    never sits in a transaction holding a snapshot)."""
+    return connections.create_connection(using)

@@ -64,13 +64,14 @@ from django.db import (
     transaction,
 )
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import BigIntegerField, Exists, F, Func, OuterRef, Q
+from django.db.models.functions import Mod
 from django.utils import timezone
 
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
 from django_idempotency.core.failures import describe, failure_fingerprint, failure_traceback
-from django_idempotency.db import database_now, postgresql
+from django_idempotency.db import database_now, dialect, postgresql
 from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import presence
@@ -79,10 +80,10 @@ from django_idempotency.publishers.base import OutboxMessage, Publisher
 from django_idempotency.publishers.routing import PublisherSet
 from django_idempotency.querysets import (
     UNPUBLISHED,
+    BeforeInRelayOrder,
     OutboxEventQuerySet,
     OutboxStatus,
     backing_off_q,
-    earlier_than_q,
     lease_free_q,
 )
 
@@ -195,6 +196,11 @@ class Relay:
         #: A published batch whose outcomes the database could not take yet.
         self._unrecorded: _Outcomes | None = None
         self._next_look_for_gone_relays = 0.0
+        #: This relay's seat among the relays (see presence.py), looked at once a second, and
+        #: the connection of its own that holds it.
+        self._seat: presence.Seat | None = None
+        self._seat_connection: BaseDatabaseWrapper | None = None
+        self._next_look_at_seat = 0.0
 
     def __enter__(self) -> Relay:
         return self
@@ -204,6 +210,13 @@ class Relay:
 
     def close(self) -> None:
         self.publishers.close()
+        self._leave_seat()
+
+    def _leave_seat(self) -> None:
+        seat_connection, self._seat_connection, self._seat = self._seat_connection, None, None
+        if seat_connection is not None:
+            with contextlib.suppress(DatabaseError):
+                seat_connection.close()  # the session ends, and its seat with it
 
     # --- passes -------------------------------------------------------------------------------
 
@@ -220,6 +233,7 @@ class Relay:
             )
         stats = self._record_unrecorded()
         stats.reclaimed += self._release_batches_of_gone_relays()
+        self._look_at_seat()
         events, clock = self._claim()
         if not events:
             return stats
@@ -282,6 +296,19 @@ class Relay:
                 extra={"outbox_reclaimed": released},
             )
         return released
+
+    def _look_at_seat(self) -> None:
+        """Hold a seat among the relays, and learn how many there are (at most once a second)."""
+        if not presence.enabled(self.using) or time.monotonic() < self._next_look_at_seat:
+            return
+        self._next_look_at_seat = time.monotonic() + _LOOK_FOR_GONE_RELAYS_SECONDS
+        if self._seat_connection is None:
+            self._seat_connection = presence.seat_connection(self.using)
+        try:
+            self._seat = presence.take_seat(self._seat_connection)
+        except DatabaseError:
+            self._leave_seat()  # a new connection, and a seat on it, at the next look
+            raise
 
     def drain(self, max_batches: int | None = None) -> RelayStats:
         """Passes until nothing is due (or ``max_batches``)."""
@@ -348,17 +375,16 @@ class Relay:
     def _candidates(self, now: datetime) -> OutboxEventQuerySet:
         """Due events in relay order that no earlier event with their key holds back."""
         events = self._events()
-        same_key_earlier = events.filter(key=OuterRef("key")).filter(
-            earlier_than_q(OuterRef("transaction_id"), OuterRef("pk"))
-        )
+        same_key = events.filter(key=OuterRef("key"))
+        earlier = same_key.filter(BeforeInRelayOrder(OuterRef("transaction_id"), OuterRef("pk")))
         # An earlier event that this very claim could take does not block: it sorts first and
         # lands in the same batch. One that is DEAD, backing off or leased elsewhere does.
-        blocker = same_key_earlier.filter(
-            Q(status=OutboxStatus.DEAD)
-            | Q(backing_off_q(now), status=OutboxStatus.PENDING)
-            | Q(status=OutboxStatus.PENDING, locked_until__gt=now)
+        blocked = Exists(earlier.filter(status=OutboxStatus.DEAD)) | Exists(
+            earlier.filter(status=OutboxStatus.PENDING).filter(
+                backing_off_q(now) | Q(locked_until__gt=now)
+            )
         )
-        return events.due(now).filter(Q(key="") | ~Exists(blocker)).in_relay_order()
+        return events.due(now).filter(Q(key="") | ~blocked).in_relay_order()
 
     def _claim(self) -> tuple[list[OutboxEvent], DatabaseClock]:
         connection = connections[self.using]
@@ -372,7 +398,19 @@ class Relay:
                 candidates = candidates.select_for_update(
                     skip_locked=features.has_select_for_update_skip_locked
                 )
-            rows = self._without_outsiders(list(candidates[: self.batch_size]))
+            seat = self._seat
+            if seat is not None and seat.fleet > 1:
+                # This relay's share of the keys, so relays never take the heads of the same
+                # keys and block each other (see _share); when it has none due, what any other
+                # relay has left waiting for a whole lease (that relay hangs, say).
+                rows = self._without_outsiders(
+                    list(self._share(candidates, seat)[: self.batch_size])
+                )
+                if not rows:
+                    left = candidates.filter(self._left_waiting(now))
+                    rows = self._without_outsiders(list(left[: self.batch_size]))
+            else:
+                rows = self._without_outsiders(list(candidates[: self.batch_size]))
             if not rows:
                 return [], clock
             token = uuid.uuid4()
@@ -397,6 +435,20 @@ class Relay:
             row.locked_until, row.relay_token = until, token
         return rows, clock
 
+    def _share(self, candidates: OutboxEventQuerySet, seat: presence.Seat) -> OutboxEventQuerySet:
+        """The candidates whose key hashes to this relay's rank (and those without a key)."""
+        key_hash = Func(
+            F("key"), function=dialect(self.using).KEY_HASH, output_field=BigIntegerField()
+        )
+        return candidates.alias(
+            relay_share=Mod(key_hash.bitand(0x7FFFFFFF), seat.fleet, output_field=BigIntegerField())
+        ).filter(Q(key="") | Q(relay_share=seat.rank))
+
+    def _left_waiting(self, now: datetime) -> Q:
+        """Due for at least a lease: written (or last failed) that long ago."""
+        since = now - timedelta(seconds=self.lease_seconds)
+        return Q(attempts=0, created_at__lte=since) | Q(attempts__gt=0, next_attempt_at__lte=since)
+
     def _without_outsiders(self, rows: list[OutboxEvent]) -> list[OutboxEvent]:
         """Drop events with an earlier unpublished same-key event outside this batch.
 
@@ -412,13 +464,16 @@ class Relay:
             self._events()
             .filter(key__in=keys)
             .filter(key=OuterRef("key"), status__in=UNPUBLISHED)
-            .filter(earlier_than_q(OuterRef("transaction_id"), OuterRef("pk")))
             .exclude(pk__in=ids)
         )
         held = set(
             self._events()
             .filter(pk__in=keyed)
-            .filter(Exists(outsider))
+            .filter(
+                Exists(
+                    outsider.filter(BeforeInRelayOrder(OuterRef("transaction_id"), OuterRef("pk")))
+                )
+            )
             .values_list("pk", flat=True)
         )
         return [row for row in rows if row.pk not in held]

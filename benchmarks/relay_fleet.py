@@ -1,0 +1,236 @@
+"""A relay fleet: events/s for 1, 2 and 4 relays, each a process of its own, draining one outbox.
+
+    make bench-relay        # runs this after relay_throughput.py
+    python benchmarks/relay_fleet.py --events 10000 --keys 100 --relays 1,2,4
+
+Fills the outbox with ``--events`` committed events spread over ``--keys`` ordering keys, starts
+the relays (default settings: batch size, lease and all), lets them go together and times until
+every event is published. Each relay publishes in memory and notes, per message, the machine's
+monotonic clock (one clock for every process on the machine). The run then checks what the
+relays sent: every event at least once, how many twice, and, per key, that no event went out
+before an earlier one of its key. It prints each relay's share and the CPU the relays and the
+database's backends used, so a run that is bound by the machine's cores says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+os.environ.setdefault("TEST_DATABASE", "postgresql")
+
+import django  # noqa: E402
+
+django.setup()
+
+from django.conf import settings  # noqa: E402
+from django.db import connection, transaction  # noqa: E402
+from django.test import override_settings  # noqa: E402
+
+from django_idempotency.models import OutboxEvent  # noqa: E402
+from django_idempotency.outbox import publish  # noqa: E402
+from django_idempotency.outbox.relay import Relay, RelayStats  # noqa: E402
+from django_idempotency.publishers.base import OutboxMessage  # noqa: E402
+from django_idempotency.publishers.memory import MemoryPublisher  # noqa: E402
+from django_idempotency.querysets import OutboxStatus  # noqa: E402
+
+#: (monotonic ns, event id) for every message this process published.
+SENT: list[tuple[int, str]] = []
+
+
+class TimedPublisher(MemoryPublisher):
+    """Publishes in memory and notes when, on the machine's monotonic clock."""
+
+    def publish(self, message: OutboxMessage) -> None:
+        super().publish(message)
+        SENT.append((time.monotonic_ns(), str(message.event_id)))
+
+
+ROUTES = {"*": "benchmarks.relay_fleet.TimedPublisher"}
+
+
+def fill(count: int, keys: int) -> None:
+    OutboxEvent.objects.all().delete()
+    for start in range(0, count, 1000):
+        with transaction.atomic():
+            for n in range(start, min(start + 1000, count)):
+                key = f"aggregate-{n % keys}" if keys else None
+                publish("orders.paid", {"order": n, "total": "19.99"}, key=key)
+
+
+def child(out: str, batch_size: int | None) -> None:
+    """One relay: wait for the go, relay until nothing is left, write down what it sent."""
+    stats = RelayStats()
+    empty_passes = 0
+    with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "OUTBOX_PUBLISHERS": ROUTES}):
+        relay = Relay(batch_size=batch_size)
+        connection.ensure_connection()
+        # Seated before the go, and looking again at once after it: every relay then knows
+        # how many there are from its first claim (the steady state, not the first second).
+        relay._look_at_seat()
+        print("READY", flush=True)
+        sys.stdin.readline()
+        relay._next_look_at_seat = 0.0
+        started = time.monotonic_ns()
+        cpu = time.process_time()
+        while True:
+            pass_stats = relay.run_once()
+            stats.add(pass_stats)
+            if pass_stats.claimed:
+                continue
+            empty_passes += 1
+            if not OutboxEvent.objects.filter(status=OutboxStatus.PENDING).exists():
+                break
+            time.sleep(0.005)  # the others hold what is left; look again shortly
+        finished = time.monotonic_ns()
+        relay.close()
+    # The relay built its publisher from the dotted path, so from the module, not __main__.
+    from benchmarks.relay_fleet import SENT as sent
+
+    Path(out).write_text(
+        json.dumps(
+            {
+                "sent": sent,
+                "stats": stats.as_dict(),
+                "started": started,
+                "finished": finished,
+                "cpu": time.process_time() - cpu,
+                "empty_passes": empty_passes,
+            }
+        )
+    )
+
+
+def database_cpu_seconds() -> float:
+    """CPU of PostgreSQL's processes on this machine, from /proc: each live process's own, and
+    the postmaster's count of its ended children (the relays' backends end with the relays)."""
+    total = 0
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if "(postgres)" not in stat:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        total += sum(int(value) for value in fields[11:15])
+    return total / tick
+
+
+def run(relays: int, count: int, keys: int, batch_size: int | None) -> dict[str, Any]:
+    fill(count, keys)
+    ids = dict(OutboxEvent.objects.values_list("event_id", "pk"))
+    key_of = dict(OutboxEvent.objects.values_list("pk", "key"))
+    env = {**os.environ, "TEST_DATABASE_NAME": connection.settings_dict["NAME"]}
+    with tempfile.TemporaryDirectory() as folder:
+        outs = [str(Path(folder) / f"relay-{n}.json") for n in range(relays)]
+        children = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--child", out]
+                + (["--batch-size", str(batch_size)] if batch_size else []),
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for out in outs
+        ]
+        for process in children:
+            assert process.stdout is not None and process.stdout.readline().strip() == "READY"
+        database_cpu = database_cpu_seconds()
+        started = time.monotonic_ns()
+        for process in children:
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        for process in children:
+            if process.wait(timeout=600) != 0:
+                raise SystemExit(f"a relay exited with {process.returncode}")
+        elapsed = (time.monotonic_ns() - started) / 1e9
+        database_cpu = database_cpu_seconds() - database_cpu
+        results = [json.loads(Path(out).read_text()) for out in outs]
+    sent = sorted(
+        (at, ids[uuid_text(event_id)]) for result in results for at, event_id in result["sent"]
+    )
+    first_seen: dict[int, int] = {}
+    for at, pk in sent:
+        first_seen.setdefault(pk, at)
+    reordered = 0
+    last_by_key: dict[str, int] = {}
+    for pk, _ in sorted(first_seen.items(), key=lambda item: item[1]):
+        key = key_of[pk]
+        if key and last_by_key.get(key, 0) > pk:
+            reordered += 1
+        if key:
+            last_by_key[key] = max(last_by_key.get(key, 0), pk)
+    return {
+        "relays": relays,
+        "events_per_second": count / elapsed,
+        "shares": [len(result["sent"]) for result in results],
+        "empty_passes": sum(result["empty_passes"] for result in results),
+        "lost": count - len(first_seen),
+        "duplicates": len(sent) - len(first_seen),
+        "reordered": reordered,
+        "relay_cpu": sum(result["cpu"] for result in results),
+        "database_cpu": database_cpu,
+        "elapsed": elapsed,
+    }
+
+
+def uuid_text(value: str) -> Any:
+    import uuid
+
+    return uuid.UUID(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=10_000)
+    parser.add_argument("--keys", type=int, default=100)
+    parser.add_argument("--relays", default="1,2,4")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the setting's")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.batch_size)
+        return
+    if connection.vendor != "postgresql":
+        raise SystemExit("Run with TEST_DATABASE=postgresql and POSTGRES_URL set.")
+    old_name = connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
+    try:
+        batch = args.batch_size or settings.IDEMPOTENCY.get("OUTBOX_BATCH_SIZE", "default")
+        print(
+            f"Relay fleet on PostgreSQL, {args.events} events over {args.keys} keys, batch {batch}"
+        )
+        print("| relays | events/s | share per relay | lost | twice | reordered | relay CPU s "
+              "| PostgreSQL CPU s | wall s | passes that found nothing |")  # fmt: skip
+        print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        for relays in (int(n) for n in args.relays.split(",")):
+            row = run(relays, args.events, args.keys, args.batch_size)
+            shares = " / ".join(f"{share:,}" for share in row["shares"])
+            print(
+                f"| {relays} | {row['events_per_second']:,.0f} | {shares} | {row['lost']} "
+                f"| {row['duplicates']} | {row['reordered']} | {row['relay_cpu']:.1f} "
+                f"| {row['database_cpu']:.1f} | {row['elapsed']:.1f} | {row['empty_passes']} |",
+                flush=True,
+            )
+    finally:
+        connection.close()
+        connection.creation.destroy_test_db(old_name, verbosity=0)
+
+
+if __name__ == "__main__":
+    main()
