@@ -596,3 +596,31 @@ def test_a_custom_serializer_stores_and_reads_the_value():
     assert text(4) == text(4) == "8"
     record = IdempotencyRecord.objects.get(key="4")
     assert record.response_headers == [["Content-Type", "text/plain"]]
+
+
+def test_with_the_redis_fast_path_a_repeat_is_replayed_without_a_query(
+    settings, redis_url, django_assert_num_queries
+):
+    from django_redis import get_redis_connection
+
+    from django_idempotency.request import cache
+    from tests.test_cache import ALIAS, configure
+
+    prefix = configure(settings, redis_url)
+    client = get_redis_connection(ALIAS)
+    try:
+
+        @idempotent_function(key="n", ttl=600)
+        def cached(n: int) -> dict[str, int]:
+            calls["cached"] += 1
+            return {"n": n}
+
+        assert cached(1) == {"n": 1}
+        copy = cache.redis_key(scope_of(cached), "1")
+        assert 0 < client.pttl(copy) <= 600_000  # the copy expires with the function's TTL
+        with django_assert_num_queries(0):
+            assert cached(1) == {"n": 1}
+        assert calls["cached"] == 1
+    finally:
+        for name in client.scan_iter(f"{prefix}:*"):
+            client.delete(name)
