@@ -624,3 +624,24 @@ def test_with_the_redis_fast_path_a_repeat_is_replayed_without_a_query(
     finally:
         for name in client.scan_iter(f"{prefix}:*"):
             client.delete(name)
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "records"])
+def test_with_the_records_in_another_database_the_writes_commit_with_the_stored_value():
+    from django.test import override_settings
+
+    with override_settings(DATABASE_ROUTERS=["tests.routers.RecordsElsewhere"]):
+        with pytest.raises(Declined):
+            charge_or_fail(31, True)
+        assert not Widget.objects.exists(), "the function's write outlived its exception"
+        assert not IdempotencyRecord.objects.using("records").exists()
+
+        @idempotent_function(key="n", using="default")
+        def writes_default(n: int) -> int:
+            return Widget.objects.create(name="elsewhere").pk
+
+        pk = writes_default(1)
+        assert writes_default(1) == pk
+        assert Widget.objects.get().pk == pk
+        assert IdempotencyRecord.objects.using("records").get().status == COMPLETED
+        assert not IdempotencyRecord.objects.using("default").exists()
