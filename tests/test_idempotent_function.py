@@ -645,3 +645,16 @@ def test_with_the_records_in_another_database_the_writes_commit_with_the_stored_
         assert Widget.objects.get().pk == pk
         assert IdempotencyRecord.objects.using("records").get().status == COMPLETED
         assert not IdempotencyRecord.objects.using("default").exists()
+
+
+def test_a_record_that_holds_no_function_result_is_not_taken_for_one():
+    from django_idempotency.exceptions import IdempotentFunctionError
+    from tests.factories import IdempotencyRecordFactory
+
+    @idempotent_function(key="n", fingerprint=None, scope="user:1")
+    def shares_a_views_scope(n: int) -> str:
+        return "ran"
+
+    IdempotencyRecordFactory(scope="user:1", key="1", fingerprint=UNCOMPARED)  # a view's 201
+    with pytest.raises(IdempotentFunctionError, match="holds no function result"):
+        shares_a_views_scope(1)
