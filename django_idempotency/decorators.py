@@ -1,5 +1,5 @@
 """``@idempotent`` for function views: plain Django views (sync or async) and DRF ``@api_view``
-functions."""
+functions; ``@idempotent_function`` (``functions.py``) for any other callable."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from asgiref.sync import iscoroutinefunction
 from django.http import HttpResponseBase
 
 from django_idempotency.conf import GUARDED_METHODS
+from django_idempotency.functions import idempotent_function
 from django_idempotency.request import lifecycle
 from django_idempotency.request.fingerprint import DJANGO_LIMIT, BodyLimit
 
-__all__ = ["idempotent"]
+__all__ = ["idempotent", "idempotent_function"]
 
 ViewFunc = TypeVar("ViewFunc", bound=Callable[..., Any])
 

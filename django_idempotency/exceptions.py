@@ -20,6 +20,11 @@ __all__ = [
     "IdempotencyHTTPError",
     "IdempotencyKeyInvalid",
     "IdempotencyKeyMissing",
+    "IdempotentCallInProgress",
+    "IdempotentCallKeyInvalid",
+    "IdempotentCallMismatch",
+    "IdempotentFunctionError",
+    "IdempotentResultNotStorable",
     "LeaseLost",
     "LeaseLostConflict",
     "OutboxError",
@@ -179,6 +184,41 @@ class CredentialsNotScoped(IdempotencyHTTPError):
         "key was read, so the key cannot be tied to a client. Send it to an endpoint that "
         "authenticates first, or without the key."
     )
+
+
+# --- @idempotent_function -----------------------------------------------------------------------
+
+
+class IdempotentFunctionError(IdempotencyError):
+    """Base of the errors ``@idempotent_function`` raises about a call."""
+
+
+class IdempotentCallInProgress(IdempotentFunctionError):
+    """Another call with this key is running (its lease has ``retry_after`` seconds left).
+
+    Nothing ran. In a Celery task: ``raise self.retry(exc=exc, countdown=exc.retry_after)``.
+    """
+
+    def __init__(self, retry_after: int, message: str | None = None) -> None:
+        self.retry_after = retry_after
+        super().__init__(
+            message
+            or f"A call with this idempotency key is still running; call again in "
+            f"{retry_after} s to get its result."
+        )
+
+
+class IdempotentCallMismatch(IdempotentFunctionError):
+    """The key was already used by a call with different arguments; nothing ran."""
+
+
+class IdempotentCallKeyInvalid(IdempotentFunctionError, ValueError):
+    """The key could not be read from the call's arguments, or is not a usable key."""
+
+
+class IdempotentResultNotStorable(IdempotentFunctionError):
+    """The function's return value could not be serialized (or is larger than
+    ``MAX_RESPONSE_BYTES``): its writes were rolled back and the key released."""
 
 
 # --- Layers 2 and 3: outbox, publishers, consumers --------------------------------------------

@@ -55,6 +55,11 @@ class Lease:
     using: str
     #: Whether this request holds its session lock, which tells duplicates it is alive.
     owner_lock: bool = False
+    #: This key's lease length and its record's time to live once completed (seconds), when
+    #: its door chose them (``@idempotent_function(lease=..., ttl=...)``); None: the settings'
+    #: ``LEASE_SECONDS`` and ``TTL_SECONDS``.
+    lease_seconds: float | None = None
+    ttl_seconds: float | None = None
 
     @property
     def taken_over(self) -> bool:

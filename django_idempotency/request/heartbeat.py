@@ -22,7 +22,8 @@ class LeaseHeartbeat:
 
     def __init__(self, lease: Lease, interval: float | None = None) -> None:
         self.lease = lease
-        self.interval = interval if interval is not None else max(conf.LEASE_SECONDS / 3, 0.05)
+        length = conf.LEASE_SECONDS if lease.lease_seconds is None else lease.lease_seconds
+        self.interval = interval if interval is not None else max(length / 3, 0.05)
         self._stopped = threading.Event()
         self._thread = threading.Thread(
             target=self._beat, name="idempotency-heartbeat", daemon=True

@@ -171,14 +171,22 @@ def identify(request: HttpRequest, key: str, *, scope: str, fingerprint: str) ->
 
 
 @events.instrumented("claim")
-def claim(identity: Identity) -> Decision:
-    """Claim a key: a replay from the Redis copy, else the record store's decision."""
+def claim(
+    identity: Identity, *, lease_seconds: float | None = None, ttl_seconds: float | None = None
+) -> Decision:
+    """Claim a key: a replay from the Redis copy, else the record store's decision.
+
+    ``lease_seconds`` and ``ttl_seconds`` override the settings for this key (see
+    :func:`store.claim <django_idempotency.request.store.claim>`).
+    """
     stored = cache.lookup(identity)
     if stored is not None:
         decision: Decision = Replay(stored)
     else:
         try:
-            decision = store.claim(identity, uuid.uuid4())
+            decision = store.claim(
+                identity, uuid.uuid4(), lease_seconds=lease_seconds, ttl_seconds=ttl_seconds
+            )
         except UNAVAILABLE_ERRORS as exc:
             events.store_unavailable(
                 identity, "idempotency claim failed: database unavailable", exc

@@ -23,6 +23,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
@@ -68,17 +69,64 @@ def database_alias() -> str:
 # --- claim -------------------------------------------------------------------------------------
 
 
-def claim(identity: Identity, owner_token: uuid.UUID) -> Decision:
-    """What this request may do with its key. Database errors propagate to the caller."""
+def claim(
+    identity: Identity,
+    owner_token: uuid.UUID,
+    *,
+    lease_seconds: float | None = None,
+    ttl_seconds: float | None = None,
+) -> Decision:
+    """What this request may do with its key. Database errors propagate to the caller.
+
+    ``lease_seconds`` and ``ttl_seconds`` override ``LEASE_SECONDS`` and ``TTL_SECONDS`` for
+    this key; the lease granted carries them, so its heartbeat and completion use them too.
+    """
     using = database_alias()
     claim_round = (
         _claim_postgresql if connections[using].vendor == "postgresql" else _claim_portable
     )
+    terms = _Terms(lease_seconds, ttl_seconds)
     for _ in range(CLAIM_ROUNDS):
-        decision = claim_round(identity, using, owner_token)
+        decision = claim_round(identity, using, owner_token, terms)
         if decision is not None:
             return decision
     return Conflict(retry_after=1)
+
+
+@dataclass(frozen=True, slots=True)
+class _Terms:
+    """A claim's lease length and TTL: the door's, else the settings' (read live)."""
+
+    lease: float | None = None
+    ttl: float | None = None
+
+    @property
+    def lease_seconds(self) -> float:
+        return conf.LEASE_SECONDS if self.lease is None else self.lease
+
+    @property
+    def ttl_seconds(self) -> float:
+        return conf.TTL_SECONDS if self.ttl is None else self.ttl
+
+    def lease_for(
+        self,
+        identity: Identity,
+        owner_token: uuid.UUID,
+        expires_at: datetime,
+        attempt: int,
+        using: str,
+        owner_lock: bool,
+    ) -> Lease:
+        return Lease(
+            identity,
+            owner_token,
+            expires_at,
+            attempt,
+            using,
+            owner_lock=owner_lock,
+            lease_seconds=self.lease,
+            ttl_seconds=self.ttl,
+        )
 
 
 def _decision(
@@ -130,7 +178,9 @@ def _stored(record: IdempotencyRecord) -> StoredResponse:
     )
 
 
-def _claim_portable(identity: Identity, using: str, owner_token: uuid.UUID) -> Decision | None:
+def _claim_portable(
+    identity: Identity, using: str, owner_token: uuid.UUID, terms: _Terms
+) -> Decision | None:
     """Read the record and the database's time, then INSERT or a fenced takeover UPDATE.
 
     Every statement commits on its own. Inside an outer transaction (which defeats the point,
@@ -143,8 +193,8 @@ def _claim_portable(identity: Identity, using: str, owner_token: uuid.UUID) -> D
         return verdict
     if verdict is Verdict.TAKE_OVER_DEAD_OWNER:
         assert record is not None
-        return _take_over_dead_owner(identity, using, owner_token, record, now)
-    lease_expires_at = now + timedelta(seconds=conf.LEASE_SECONDS)
+        return _take_over_dead_owner(identity, using, owner_token, record, now, terms)
+    lease_expires_at = now + timedelta(seconds=terms.lease_seconds)
     values = {
         "fingerprint": identity.fingerprint,
         "status": PROCESSING,
@@ -154,7 +204,7 @@ def _claim_portable(identity: Identity, using: str, owner_token: uuid.UUID) -> D
         "path": identity.path,
         # A PROCESSING record outlives its lease by the TTL, so the sweep eventually removes a
         # key whose client never came back.
-        "expires_at": lease_expires_at + timedelta(seconds=conf.TTL_SECONDS),
+        "expires_at": lease_expires_at + timedelta(seconds=terms.ttl_seconds),
     }
     takeover = verdict is Verdict.TAKE_OVER
     attempt = record.attempts + 1 if record is not None and takeover else 1
@@ -192,7 +242,7 @@ def _claim_portable(identity: Identity, using: str, owner_token: uuid.UUID) -> D
                 return None
         held.keep()
     return Proceed(
-        Lease(identity, owner_token, lease_expires_at, attempt, using, owner_lock=held.taken)
+        terms.lease_for(identity, owner_token, lease_expires_at, attempt, using, held.taken)
     )
 
 
@@ -230,13 +280,14 @@ def _take_over_dead_owner(
     owner_token: uuid.UUID,
     record: IdempotencyRecord,
     now: datetime,
+    terms: _Terms,
 ) -> Decision | None:
     """Take over a key whose owner's session is gone, before its lease runs out.
 
     Fenced on the owner token it had when judged: if that request completed or released the
     key meanwhile, nothing changes and the claim looks again.
     """
-    lease_expires_at = now + timedelta(seconds=conf.LEASE_SECONDS)
+    lease_expires_at = now + timedelta(seconds=terms.lease_seconds)
     attempt = record.attempts + 1
     with _owner_lock(using, owner_token) as held:
         updated = (
@@ -247,7 +298,7 @@ def _take_over_dead_owner(
             .update(
                 owner_token=owner_token,
                 lease_expires_at=lease_expires_at,
-                expires_at=lease_expires_at + timedelta(seconds=conf.TTL_SECONDS),
+                expires_at=lease_expires_at + timedelta(seconds=terms.ttl_seconds),
                 attempts=attempt,
                 method=identity.method,
                 path=identity.path,
@@ -257,7 +308,7 @@ def _take_over_dead_owner(
             return None
         held.keep()
     return Proceed(
-        Lease(identity, owner_token, lease_expires_at, attempt, using, owner_lock=held.taken)
+        terms.lease_for(identity, owner_token, lease_expires_at, attempt, using, held.taken)
     )
 
 
@@ -326,7 +377,9 @@ def _statement_savepoint(using: str) -> Iterator[None]:
         yield
 
 
-def _claim_postgresql(identity: Identity, using: str, owner_token: uuid.UUID) -> Decision | None:
+def _claim_postgresql(
+    identity: Identity, using: str, owner_token: uuid.UUID, terms: _Terms
+) -> Decision | None:
     """One statement (``db/postgresql.py``): claimed, or the row and the time to judge it by."""
     connection = connections[using]
     values: dict[str, Any] = {
@@ -347,8 +400,8 @@ def _claim_postgresql(identity: Identity, using: str, owner_token: uuid.UUID) ->
     params = {
         name: _field(name).get_db_prep_save(value, connection) for name, value in values.items()
     }
-    params["lease_seconds"] = conf.LEASE_SECONDS
-    params["expiry_seconds"] = conf.LEASE_SECONDS + conf.TTL_SECONDS
+    params["lease_seconds"] = terms.lease_seconds
+    params["expiry_seconds"] = terms.lease_seconds + terms.ttl_seconds
     owner_lock = presence.enabled(using)
     params["owner_lock"] = presence.lock_id(owner_token)
     # A plain cursor rather than .raw(): this runs on every write request, and building the row
@@ -364,13 +417,13 @@ def _claim_postgresql(identity: Identity, using: str, owner_token: uuid.UUID) ->
     record = IdempotencyRecord.from_db(using, names[:-3], columns)
     if claimed:
         assert record.lease_expires_at is not None  # a claimed record always has a lease
-        lease = Lease(
+        lease = terms.lease_for(
             identity, owner_token, record.lease_expires_at, record.attempts, using, bool(held)
         )
         return Proceed(lease)
     decision = _decision(record, identity, now, using)
     if decision is Verdict.TAKE_OVER_DEAD_OWNER:
-        return _take_over_dead_owner(identity, using, owner_token, record, now)
+        return _take_over_dead_owner(identity, using, owner_token, record, now, terms)
     # A verdict to claim means the row changed after this statement's snapshot: look again.
     return None if isinstance(decision, Verdict) else decision
 
@@ -430,7 +483,8 @@ def complete(lease: Lease, stored: StoredResponse) -> bool:
 
 
 def extend(lease: Lease) -> bool:
-    """Push the lease forward by ``LEASE_SECONDS`` (database time). False once it is not ours."""
+    """Push the lease forward by its length (``LEASE_SECONDS`` unless the claim chose one),
+    by the database's time. False once it is not ours."""
     return _update_owned(lease, {}, completed=False) == 1
 
 
@@ -478,7 +532,10 @@ def _update_owned(lease: Lease, values: dict[str, Any], *, completed: bool) -> i
     """
     connection = connections[lease.using]
     params = [_field(name).get_db_prep_save(value, connection) for name, value in values.items()]
-    _, later = dialect(lease.using).now_plus(conf.TTL_SECONDS if completed else conf.LEASE_SECONDS)
+    terms = _Terms(lease.lease_seconds, lease.ttl_seconds)
+    _, later = dialect(lease.using).now_plus(
+        terms.ttl_seconds if completed else terms.lease_seconds
+    )
     params += later
     params += [
         lease.identity.scope,

@@ -1,0 +1,152 @@
+"""``@idempotent_function`` under Celery: stacked under ``@app.task``, and a real worker killed
+mid-task whose message is redelivered to another worker.
+
+The workers are real ``celery worker`` processes (``tests/function_celery.py``) on the shared
+RabbitMQ, each test with a queue of its own, deleted afterwards; they are SIGKILLed as a whole
+process group, so nothing of theirs runs after the kill.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+from kombu import Connection, Queue
+
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.querysets import COMPLETED
+from tests.outbox_support import database_env
+from tests.reliability.outbox_helpers import Child, queue_depth, wait_until
+from tests.testapp.models import Widget
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+ON_SQLITE = connection.vendor == "sqlite"
+#: The function's lease in the workers. Where owners hold session locks (PostgreSQL, MariaDB) a
+#: dead worker's key is taken over as soon as its connection is gone, long before this; on
+#: SQLite the redelivery waits for the lease to run out, retrying.
+LEASE_SECONDS = 3 if ON_SQLITE else 20
+
+
+def test_stacked_under_a_task_it_keeps_the_signature_and_runs_once():
+    from tests.function_celery import charge
+
+    assert list(inspect.signature(charge.run).parameters) == ["order_id", "stage"]
+    first = charge.apply(kwargs={"order_id": 1, "stage": "none"}, task_id=str(uuid.uuid4()))
+    # Another message (another task id) for the same order: the key is the order.
+    second = charge.apply(kwargs={"order_id": 1, "stage": "none"}, task_id=str(uuid.uuid4()))
+    assert first.result == second.result == {"order_id": 1, "widget": first.result["widget"]}
+    assert Widget.objects.filter(name="fn-order-1").count() == 1
+
+
+@pytest.fixture
+def queue(amqp_url: str) -> Iterator[str]:
+    """A queue of this test's own on the shared broker, deleted afterwards."""
+    name = f"di-fn-{uuid.uuid4().hex[:10]}"
+    yield name
+    with Connection(amqp_url) as broker:
+        Queue(name, no_declare=True)(broker.default_channel).delete()
+
+
+def start_worker(amqp_url: str, queue: str, work: Path, name: str) -> Child:
+    env = {
+        **database_env(),
+        "FN_AMQP_URL": amqp_url,
+        "FN_CELERY_QUEUE": queue,
+        "FN_WORK_DIR": str(work),
+        "FN_LEASE_SECONDS": str(LEASE_SECONDS),
+    }
+    args = [
+        sys.executable, "-m", "celery", "-A", "tests.function_celery", "worker",
+        "--pool=solo", "--concurrency=1", "-Q", queue, "--loglevel=WARNING",
+        "--without-heartbeat", "--without-gossip", "--without-mingle",
+        # A name of its own: its control queue must not clash with any other worker's.
+        f"--hostname={name}-{uuid.uuid4().hex[:8]}@%h",
+    ]  # fmt: skip
+    worker = Child(args, env, name)
+    wait_until(lambda: consumers(amqp_url, queue) >= 1, timeout=60, what=f"{name} to consume")
+    return worker
+
+
+def consumers(amqp_url: str, queue: str) -> int:
+    with Connection(amqp_url) as broker:
+        try:
+            declared = broker.default_channel.queue_declare(queue=queue, passive=True)
+        except Exception:  # not declared yet: the worker declares it when it starts consuming
+            return 0
+        return int(declared.consumer_count)
+
+
+def notes(work: Path, kind: str) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text()) for path in sorted(work.glob(f"{kind}-*.json"))]
+
+
+@pytest.mark.parametrize("stage", ["before_commit", "after_commit"])
+def test_a_worker_killed_mid_task_and_redelivered_runs_the_effect_once(
+    amqp_url: str, queue: str, tmp_path: Path, stage: str
+):
+    """``before_commit``: SIGKILLed inside the function's transaction, after its write; the
+    write rolls back, the redelivery takes the dead worker's key over and runs the function
+    again. ``after_commit``: killed after the commit, before the acknowledgement; the
+    redelivery gets the stored result without running it."""
+    from tests.function_celery import make_app
+
+    order_id = uuid.uuid4().int % 10**9
+    (tmp_path / "hold").touch()
+    workers: list[Child] = []
+    sender = make_app(amqp_url, queue)
+    try:
+        workers.append(start_worker(amqp_url, queue, tmp_path, "doomed"))
+        sender.send_task("fn.charge", kwargs={"order_id": order_id, "stage": stage})
+        held = "effect" if stage == "before_commit" else "result"
+        wait_until(lambda: notes(tmp_path, held), timeout=60, what="the task to reach its hold")
+        committed = Widget.objects.filter(name=f"fn-order-{order_id}").count()
+        assert committed == (1 if stage == "after_commit" else 0)
+
+        workers[0].kill()
+        killed_at = time.monotonic()
+        (tmp_path / "hold").unlink()
+        workers.append(start_worker(amqp_url, queue, tmp_path, "next"))
+        wait_until(
+            lambda: len(notes(tmp_path, "result")) == (2 if stage == "after_commit" else 1),
+            timeout=90,
+            what="the redelivery's result",
+        )
+        redelivered_after = time.monotonic() - killed_at
+        assert workers[1].alive(), workers[1].tail()
+    except BaseException:
+        for worker in workers:
+            print(worker.tail())
+        raise
+    finally:
+        for worker in workers:
+            worker.terminate()
+            worker.close()
+        sender.close()
+
+    widgets = Widget.objects.filter(name=f"fn-order-{order_id}")
+    assert widgets.count() == 1  # the effect, once
+    record = IdempotencyRecord.objects.get(key=str(order_id))
+    assert record.status == COMPLETED
+    expected = {"order_id": order_id, "widget": widgets.get().pk}
+    results = notes(tmp_path, "result")
+    assert all(result["retval"] == expected for result in results), results
+    effects = notes(tmp_path, "effect")
+    if stage == "before_commit":
+        # Ran twice, committed once: the killed run's write died with its transaction.
+        assert len(effects) == 2 and effects[0]["pid"] != effects[1]["pid"]
+        assert record.attempts == 2  # the redelivery took the dead worker's key over
+        if not ON_SQLITE:
+            # Taken over as soon as the dead worker's session was gone, not after the lease.
+            assert redelivered_after < LEASE_SECONDS, redelivered_after
+    else:
+        assert len(effects) == 1 and record.attempts == 1  # the redelivery replayed
+    assert queue_depth(amqp_url, queue) == 0
