@@ -21,6 +21,8 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/demo/", DemoInfoView.as_view(), name="demo-info"),
     path("api/v1/", include(router.urls)),
+    # GET /api/v1/idempotency-keys/<key> and .../response: a client's own keys, by key.
+    path("api/v1/", include("django_idempotency.urls")),
 ]
 
 urlpatterns += [

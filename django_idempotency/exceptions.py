@@ -20,6 +20,7 @@ __all__ = [
     "IdempotencyHTTPError",
     "IdempotencyKeyInvalid",
     "IdempotencyKeyMissing",
+    "IdempotencyKeyNotFound",
     "IdempotentCallInProgress",
     "IdempotentCallKeyInvalid",
     "IdempotentCallMismatch",
@@ -183,6 +184,20 @@ class CredentialsNotScoped(IdempotencyHTTPError):
         "This request carries credentials that were not authenticated before its idempotency "
         "key was read, so the key cannot be tied to a client. Send it to an endpoint that "
         "authenticates first, or without the key."
+    )
+
+
+class IdempotencyKeyNotFound(IdempotencyHTTPError):
+    """A status-by-key lookup found nothing for the caller: the same answer whether the key is
+    unknown, expired, released, malformed or another scope's, so it never says which."""
+
+    status_code = 404
+    title = "Idempotency key not found"
+    default_code = "idempotency_key_not_found"
+    default_detail = (
+        "There is no idempotency key by this name for you: it was never used with your "
+        "credentials, or it expired or was released. Retrying the request itself with the key "
+        "is safe."
     )
 
 

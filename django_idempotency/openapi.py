@@ -253,3 +253,167 @@ class IdempotencyMixinExtension(OpenApiViewExtension):  # type: ignore[no-untype
                 action = isolate_view_method(replacement, name)  # type: ignore[no-untyped-call]
                 action.kwargs["schema"] = _idempotent_schema_class(get_class(action_schema))
         return replacement
+
+
+# --- status and result by key (django_idempotency.urls) ----------------------------------------
+
+KEY_STATUS_COMPONENT = "IdempotencyKeyStatus"
+
+
+def key_status_schema() -> dict[str, Any]:
+    """The body of ``GET idempotency-keys/<key>`` (``views.key_status``)."""
+    return {
+        "type": "object",
+        "properties": {
+            "key": {"type": "string"},
+            "status": {"type": "string", "enum": ["processing", "completed"]},
+            "response_status": {
+                "type": "integer",
+                "nullable": True,
+                "description": "The stored response's status; null while processing.",
+            },
+            "created": {"type": "string", "format": "date-time"},
+            "expires": {
+                "type": "string",
+                "format": "date-time",
+                "description": "After this the key is forgotten (404) and may be used again.",
+            },
+        },
+        "required": ["key", "status", "response_status", "created", "expires"],
+    }
+
+
+def _no_store_header() -> dict[str, Any]:
+    return {
+        "schema": {"type": "string", "enum": ["no-store"]},
+        "description": "The answer concerns one client's key: never cached.",
+    }
+
+
+def _not_found(problem: Any) -> dict[str, Any]:
+    return {
+        "description": (
+            "No live key by this name in your scope: never used with your credentials, "
+            "expired, released, not a valid key, or another client's. The answer is the same "
+            "in every case."
+        ),
+        "content": {PROBLEM_CONTENT_TYPE: {"schema": problem.ref}},
+        "headers": {"Cache-Control": _no_store_header()},
+    }
+
+
+def _unavailable(problem: Any) -> dict[str, Any]:
+    return {
+        "description": "The database that records keys is unavailable: ask again after "
+        "Retry-After seconds.",
+        "content": {PROBLEM_CONTENT_TYPE: {"schema": problem.ref}},
+        "headers": {"Retry-After": _retry_after_header(), "Cache-Control": _no_store_header()},
+    }
+
+
+def key_status_responses(registry: ComponentRegistry) -> dict[str, Any]:
+    problem = _component(registry, PROBLEM_COMPONENT, problem_schema())
+    status = _component(registry, KEY_STATUS_COMPONENT, key_status_schema())
+    return {
+        "200": {
+            "description": (
+                'The key\'s state. Once completed, `Link: <…/response>; rel="response"` points '
+                "to the stored response."
+            ),
+            "content": {JSON_CONTENT_TYPE: {"schema": status.ref}},
+            "headers": {
+                "Link": {
+                    "schema": {"type": "string"},
+                    "description": "Sent once completed: the URL of the stored response.",
+                },
+                "Cache-Control": _no_store_header(),
+            },
+        },
+        "404": _not_found(problem),
+        "503": _unavailable(problem),
+    }
+
+
+def key_response_responses(registry: ComponentRegistry) -> dict[str, Any]:
+    problem = _component(registry, PROBLEM_COMPONENT, problem_schema())
+    replayed = {
+        "content": {"*/*": {"schema": {}}},
+        "headers": {conf.REPLAY_HEADER: _replay_header(), "Cache-Control": _no_store_header()},
+    }
+    return {
+        "200": {
+            "description": "The stored response, byte for byte, as a retry would receive it.",
+            **replayed,
+        },
+        "404": _not_found(problem),
+        "409": {
+            "description": "The request holding the key is still running: ask again after "
+            "Retry-After seconds.",
+            "content": {PROBLEM_CONTENT_TYPE: {"schema": problem.ref}},
+            "headers": {"Retry-After": _retry_after_header(), "Cache-Control": _no_store_header()},
+        },
+        "503": _unavailable(problem),
+        "default": {
+            "description": "The stored response, when its status was not 200: the same status, "
+            "headers and body the first request received.",
+            **replayed,
+        },
+    }
+
+
+def key_path_parameter() -> dict[str, Any]:
+    return {
+        "in": "path",
+        "name": "key",
+        "required": True,
+        "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+        "description": (
+            "The key as the request sent it (without the quotes of a quoted key), "
+            "percent-encoded. Anything that is not a valid key is answered 404."
+        ),
+    }
+
+
+class KeyLookupSchema(AutoSchema):
+    """The hand-written operations of the status-by-key views (they have no serializer)."""
+
+    def __init__(self, responses: Any, summary: str) -> None:
+        super().__init__()
+        self._responses = responses
+        self._summary = summary
+
+    def _get_parameters(self) -> list[dict[str, Any]]:
+        return [key_path_parameter()]
+
+    def _get_response_bodies(self, direction: str = "response") -> dict[str, Any]:
+        return dict(self._responses(self.registry))
+
+    def get_summary(self) -> str | None:
+        return self._summary
+
+    def get_tags(self) -> list[str]:
+        return ["idempotency-keys"]
+
+
+class KeyLookupViewExtension(OpenApiViewExtension):  # type: ignore[no-untyped-call]
+    """Documents ``django_idempotency.urls``'s two views, and a project's subclasses of them."""
+
+    target_class = "django_idempotency.drf_views._KeyAPIView"
+    match_subclasses = True
+
+    def view_replacement(self) -> type[APIView]:
+        from django_idempotency.drf_views import KeyResponseView
+
+        view_class: type[APIView] = self.target
+        if view_class.schema is None:  # excluded from the schema by the project
+            return view_class
+        if issubclass(view_class, KeyResponseView):
+            schema = KeyLookupSchema(key_response_responses, "The stored response of a key")
+        else:
+            schema = KeyLookupSchema(key_status_responses, "The status of an idempotency key")
+        replacement: type[APIView] = type(
+            view_class.__name__,
+            (view_class,),
+            {"schema": schema, "__module__": view_class.__module__},
+        )
+        return replacement

@@ -1,6 +1,6 @@
 """The record store: idempotency records in the database, the source of truth.
 
-Four operations, each one short statement or transaction, each judged by the database's clock
+The operations, each one short statement or transaction, each judged by the database's clock
 (``db.database_now`` / ``NOW`` in the SQL) and by the rules of ``core/statemachine.py``:
 
 * :func:`claim` runs in autocommit, committed before the view's transaction opens, so a
@@ -10,6 +10,7 @@ Four operations, each one short statement or transaction, each judged by the dat
   request that lost its lease to a takeover updates nothing, and the caller rolls back.
 * :func:`release` deletes the record if this request still owns it, so a retry runs at once.
 * :func:`extend` pushes a lease forward (the heartbeat).
+* :func:`read` looks a key up without changing or locking anything (status by key).
 
 Every statement on the records table names the record by its scope and key, the unique
 constraint, so the table can be distributed by scope (Citus; ``docs/operations.md``) and each
@@ -36,6 +37,7 @@ from django_idempotency.core.statemachine import (
     PROCESSING,
     RecordState,
     Verdict,
+    is_expired,
     judge,
     seconds_left,
 )
@@ -49,13 +51,22 @@ from django_idempotency.core.types import (
     Replay,
     StoredResponse,
 )
-from django_idempotency.db import dialect, prepared, to_datetime
+from django_idempotency.db import database_now, dialect, prepared, to_datetime
 from django_idempotency.db import postgresql as pg
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.querysets import expired_q, stale_q
 from django_idempotency.request import presence
 
-__all__ = ["CLAIM_ROUNDS", "claim", "complete", "database_alias", "extend", "release"]
+__all__ = [
+    "CLAIM_ROUNDS",
+    "KeyState",
+    "claim",
+    "complete",
+    "database_alias",
+    "extend",
+    "read",
+    "release",
+]
 
 #: A claim that keeps losing races to the same record gives up after this many rounds and
 #: answers 409: that other request is active right now.
@@ -462,6 +473,47 @@ def _field(name: str) -> Field[Any, Any]:
 
 def _column(name: str) -> str:
     return str(_field(name).column)
+
+
+# --- read (status by key) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KeyState:
+    """What a lookup by key may tell its own scope: never the fingerprint or the owner."""
+
+    key: str
+    #: ``PROCESSING`` or ``COMPLETED`` (``statemachine``).
+    status: str
+    created_at: datetime
+    expires_at: datetime
+    #: The stored response once COMPLETED, else None.
+    response: StoredResponse | None
+    #: Whole seconds until the running lease ends (at least 1), for a ``Retry-After``.
+    retry_after: int
+
+
+def read(scope: str, key: str) -> KeyState | None:
+    """A key's live record, for a lookup that changes nothing (the status-by-key views):
+    ``None`` when there is none, or it expired (``statemachine``'s rule).
+
+    A plain read: no lock, so a lookup never waits for (or delays) the request holding the key.
+    Expiry is judged by the database's clock, as the claim judges it.
+    """
+    using = database_alias()
+    now = database_now(using)
+    record = IdempotencyRecord.objects.using(using).for_key(scope, key).first()
+    if record is None or is_expired(_state(record), now):
+        return None
+    completed = record.status == COMPLETED
+    return KeyState(
+        key=record.key,
+        status=record.status,
+        created_at=record.created_at,
+        expires_at=record.expires_at,
+        response=_stored(record) if completed else None,
+        retry_after=seconds_left(record.lease_expires_at, now),
+    )
 
 
 # --- complete, extend, release -----------------------------------------------------------------

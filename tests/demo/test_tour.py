@@ -57,6 +57,11 @@ def test_the_tour_runs_green_and_every_duplicate_leaves_the_balances_alone(
     for answer in ("201 replayed", "409 transaction_in_progress", "422 payload_mismatch"):
         assert answer in result.stdout
     assert "no answer: the connection was dropped" in result.stdout
+    # The payments' retries go through django_idempotency.client, and the first payment's key
+    # is looked up by the status endpoint (its Link followed; an unknown key is 404).
+    assert "retried by the client" in result.stdout
+    assert "the key is completed, with a Link to its stored response" in result.stdout
+    assert "404 idempotency_key_not_found" in result.stdout
     # Paid 25.00, 10.00 and 5.00 once each, whatever the duplicates, and refunded the 25.00.
     after = toured.balances()
     assert after["acc_1"] == before["acc_1"] - Decimal("15.00")

@@ -18,7 +18,10 @@ from decimal import Decimal
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 from django.core.management.base import BaseCommand, CommandError
+
+from django_idempotency.client import IdempotentClient, RetryPolicy
 
 SOURCE, DESTINATION = "acc_1", "acc_2"
 COMPLETED, REFUNDED = "payment.completed", "payment.refunded"
@@ -48,6 +51,24 @@ class Answer:
         if retry_after:
             detail += f", Retry-After: {retry_after}"
         return f"{self.status} {detail}".strip()
+
+
+def answer_of(response: httpx.Response) -> Answer:
+    """An httpx response (from :class:`IdempotentClient`) as the tour shows answers."""
+    try:
+        parsed = response.json() if response.content else None
+    except ValueError:
+        parsed = response.text
+    return Answer(response.status_code, {k.lower(): v for k, v in response.headers.items()}, parsed)
+
+
+def payment(amount: str, source: str = SOURCE, destination: str = DESTINATION) -> dict[str, str]:
+    return {
+        "amount": amount,
+        "currency": "USD",
+        "source_account": source,
+        "destination_account": destination,
+    }
 
 
 class Client:
@@ -113,13 +134,9 @@ class Client:
             all_headers["Idempotency-Key"] = key
         if fault is not None:
             all_headers["X-Demo-Fault"] = fault
-        body = {
-            "amount": amount,
-            "currency": "USD",
-            "source_account": source,
-            "destination_account": destination,
-        }
-        return self.request("POST", "/api/v1/payments/", body, all_headers)
+        return self.request(
+            "POST", "/api/v1/payments/", payment(amount, source, destination), all_headers
+        )
 
     def ledger(self, transaction_id: str) -> list[dict[str, Any]]:
         answer = self.request("GET", f"/api/v1/ledger/?payment={transaction_id}")
@@ -162,12 +179,22 @@ class Command(BaseCommand):
         if options["user"]:
             credentials = (options["user"], options["password"] or "")
         self.client = Client(options["url"], credentials, options["timeout"])
+        # What a real client should use: one key per payment, retried on dropped connections, 409
+        # (after its Retry-After) and 5xx, never a second payment (django_idempotency.client).
+        self.retrying = IdempotentClient(
+            options["url"].rstrip("/"),
+            auth=credentials,
+            timeout=options["timeout"],
+            headers={"Accept": "application/json"},
+            sleep=self.wait,
+        )
         self.failures: list[str] = []
         self.moved = Decimal("0.00")
         #: transaction_id -> (amount, the topics of its events, in order).
         self.payments: dict[str, tuple[str, list[str]]] = {}
         self.timeout = options["timeout"]
         self.run_id = uuid.uuid4().hex[:8]
+        self.waits_announced: list[float] = []
 
         info = self.client.request("GET", "/api/v1/demo/")
         if info.status != 200 or not isinstance(info.body, dict):
@@ -182,6 +209,7 @@ class Command(BaseCommand):
 
         steps: list[Callable[[], None]] = [
             self.first_payment_and_retry,
+            self.status_by_key,
             self.double_submit,
             self.payload_mismatch,
             self.missing_and_invalid_key,
@@ -189,9 +217,12 @@ class Command(BaseCommand):
             self.refund_and_retry,
             self.events_once,
         ]
-        for number, step in enumerate(steps, start=1):
-            self.stdout.write(self.style.MIGRATE_HEADING(f"{number}. {step.__doc__}"))
-            step()
+        try:
+            for number, step in enumerate(steps, start=1):
+                self.stdout.write(self.style.MIGRATE_HEADING(f"{number}. {step.__doc__}"))
+                step()
+        finally:
+            self.retrying.close()
 
         after = self.client.balances()
         expected = {
@@ -240,12 +271,51 @@ class Command(BaseCommand):
         self.payment = first.body or {}
         if first.status == 201:
             self.paid(first, "25.00")
-        retry = self.client.pay(key, "25.00")
+        self.first_key = key
+        # The retry, as django_idempotency.client sends it: the same key, the same body.
+        retry = answer_of(self.retrying.post("/api/v1/payments/", key=key, json=payment("25.00")))
         self.show("retry, same key", retry)
         self.expect(
             retry.status == 201 and retry.replayed and retry.body == first.body,
             "the retry got the stored answer (same transaction_id), no second payment",
             "expected 201 with Idempotent-Replay: true and the same body",
+        )
+
+    def status_by_key(self) -> None:
+        """The client asks the server about its key instead of retrying."""
+        base = "/api/v1/idempotency-keys/"
+        status = self.client.request("GET", base + self.first_key)
+        self.show("GET idempotency-keys/<first key>", status)
+        body = status.body if isinstance(status.body, dict) else {}
+        if status.status == 200:
+            self.stdout.write(
+                f"     status {body.get('status')}, response {body.get('response_status')}, "
+                f"expires {body.get('expires')}"
+            )
+        link = status.headers.get("link", "")
+        self.expect(
+            status.status == 200
+            and body.get("status") == "completed"
+            and body.get("response_status") == 201
+            and 'rel="response"' in link,
+            "the key is completed, with a Link to its stored response",
+            "expected 200 with status completed and a Link",
+        )
+        target = link[link.find("<") + 1 : link.find(">")]
+        path = urlsplit(target).path[len(self.client.parts.path.rstrip("/")) :]
+        stored = self.client.request("GET", path or base + self.first_key + "/response")
+        self.show("GET the Link", stored)
+        self.expect(
+            stored.status == 201 and stored.replayed and stored.body == self.payment,
+            "the stored response, as a retry would get it: the same payment",
+            "expected 201 replayed with the first payment's body",
+        )
+        unknown = self.client.request("GET", base + self.key("never-sent"))
+        self.show("GET idempotency-keys/<unknown>", unknown)
+        self.expect(
+            unknown.status == 404 and unknown.error == "idempotency_key_not_found",
+            "an unknown key (or another client's) is 404, whichever it is",
+            "expected 404",
         )
 
     def double_submit(self) -> None:
@@ -322,22 +392,20 @@ class Command(BaseCommand):
         crashed = self.client.pay(key, "5.00", fault="crash")
         self.show("POST 5.00, worker killed", crashed)
         self.expect(crashed.status is None, "the client got no answer and must retry", "")
-        answer = self.client.pay(key, "5.00")
-        self.show("retry at once", answer)
-        # PostgreSQL and MariaDB know the dead request's connection is gone and let the retry
-        # take its key over at once; on SQLite the key waits for the dead request's lease.
-        self.expect(
-            answer.status in (201, 409) and not answer.replayed,
-            "the retry takes the key over at once (owner gone), or is told when its lease ends",
-            "expected 201 or 409",
+        # The client retries at once with the same key. PostgreSQL and MariaDB know the dead
+        # request's connection is gone and let the retry take its key over at once; on SQLite
+        # the key waits for the dead request's lease, and the client for its Retry-After.
+        lease = float(self.info["lease_seconds"])
+        patient = IdempotentClient(
+            client=self.retrying.client,
+            sleep=self.wait,
+            policy=RetryPolicy(max_attempts=50, deadline=lease + 60, max_retry_after=lease + 5),
         )
-        deadline = time.monotonic() + self.info["lease_seconds"] + 60
-        while answer.status == 409 and time.monotonic() < deadline:
-            wait = int(answer.headers.get("retry-after", "1"))
-            self.stdout.write(f"     waiting {wait} s (Retry-After) ...")
-            time.sleep(wait)
-            answer = self.client.pay(key, "5.00")
-            self.show("retry after the lease", answer)
+        self.waits_announced.clear()
+        response = patient.post("/api/v1/payments/", key=key, json=payment("5.00"))
+        attempts = len(self.waits_announced) + 1
+        answer = answer_of(response)
+        self.show(f"retried by the client, {attempts} attempt(s)", answer)
         self.expect(
             answer.status == 201 and not answer.replayed,
             "taken over and run once: the dead attempt's writes had rolled back",
@@ -414,6 +482,12 @@ class Command(BaseCommand):
     def paid(self, answer: Answer, amount: str) -> None:
         self.moved += Decimal(amount)
         self.payments[answer.body["transaction_id"]] = (amount, [COMPLETED])
+
+    def wait(self, seconds: float) -> None:
+        """The retrying client's sleep: said, then slept."""
+        self.waits_announced.append(seconds)
+        self.stdout.write(f"     the client waits {seconds:.1f} s before retrying ...")
+        time.sleep(seconds)
 
     # --- output ----------------------------------------------------------------------------
 
