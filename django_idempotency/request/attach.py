@@ -10,12 +10,12 @@ Waking costs one query per tick for the whole process, never one per waiter:
 
 * A completion or release in this process wakes its waiters at once (:func:`notify`, called by
   the lifecycle after the commit; a dict lookup when nobody waits).
-* One daemon thread per process, started with the first waiter and gone with the last, asks the
-  records' database every ``ATTACH_POLL_SECONDS`` which of all the awaited keys are still
-  running (PROCESSING with a running lease), in one statement per database, and wakes the
-  waiters of the others: completed, released, or whose lease ran out. It closes its connection
-  when it stops, and a database error costs it one tick, never the waiters: a waiter whose time
-  runs out claims again anyway.
+* One daemon thread per process, started with the first waiter and gone a second after the
+  last, asks the records' database every ``ATTACH_POLL_SECONDS`` which of all the awaited keys
+  are still running (PROCESSING with a running lease), in one statement per database, and wakes
+  the waiters of the others: completed, released, or whose lease ran out. It closes its
+  connection when it stops, and a database error costs it one tick, never the waiters: a waiter
+  whose time runs out claims again anyway.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ PREFERENCE_APPLIED = "Preference-Applied"
 #: RFC 9111 §1.2.2: a delta-seconds too large to represent is taken as 2**31. It is capped by
 #: ``ATTACH_MAX_WAIT_SECONDS`` long before that matters.
 _HUGE = 2**31
+#: How long the poller thread stays after the last waiter left before it closes its
+#: connection and stops.
+_LINGER_SECONDS = 1.0
 #: Where the lifecycle notes, on the request, the seconds a duplicate was granted to wait.
 _GRANTED = "_idempotency_wait_granted"
 
@@ -256,14 +259,23 @@ class _Registry:
             waiter.wake()
 
     def _poll(self) -> None:
-        """The poller: one statement per database and tick for every awaited key, while any."""
+        """The poller: one statement per database and tick for every awaited key, while any.
+
+        It stays a moment after the last waiter left (``_LINGER_SECONDS``, no statements), so a
+        burst of duplicates does not start a thread and connect to the database each time.
+        """
+        idle_since: float | None = None
         try:
             while True:
                 time.sleep(_poll_seconds())
                 with self._lock:
                     if not self.waiters:
-                        self.poller = None
-                        return
+                        idle_since = idle_since or time.monotonic()
+                        if time.monotonic() - idle_since >= _LINGER_SECONDS:
+                            self.poller = None
+                            return
+                        continue
+                    idle_since = None
                     awaited = list(self.waiters)
                 by_database: dict[str, list[tuple[str, str]]] = {}
                 for using, scope, key in awaited:
