@@ -391,6 +391,31 @@ def test_prefer_wait_is_parsed_as_rfc_7240_says(header, wait):
 
 
 @pytest.mark.parametrize(
+    ("prefer", "default", "configured", "expected"),
+    [
+        (None, None, {}, attach.Patience(0.0)),  # off unless configured
+        (None, None, {"ATTACH_DEFAULT_WAIT_SECONDS": 3}, attach.Patience(3.0)),
+        (None, 5, {}, attach.Patience(5.0)),  # the view's own default
+        (None, 60, {}, attach.Patience(10.0)),  # capped
+        (None, float("inf"), {}, attach.Patience(10.0)),
+        (None, -1, {}, attach.Patience(0.0)),
+        ("wait=4", 2, {}, attach.Patience(4.0, 4)),  # Prefer overrides the default
+        ("wait=0", 5, {}, attach.Patience(0.0, 0)),
+        ("wait=30", None, {"ATTACH_MAX_WAIT_SECONDS": 2.5}, attach.Patience(2.5, 30)),
+        ("wait=abc", 5, {}, attach.Patience(5.0)),  # malformed: as if absent
+    ],
+)
+def test_patience_is_the_prefer_wait_else_the_default_capped(
+    prefer, default, configured, expected, idempotency_settings
+):
+    from django.test import RequestFactory
+
+    idempotency_settings(**configured)
+    headers = {} if prefer is None else {"HTTP_PREFER": prefer}
+    assert attach.patience(RequestFactory().post("/", **headers), default) == expected
+
+
+@pytest.mark.parametrize(
     "prefer", ["wait=abc", "wait=-3", "wait=", "wait=1.5", "garbage;;==,", "wait=" + "9" * 5000]
 )
 def test_a_malformed_prefer_is_ignored_never_a_500(key, held, prefer):

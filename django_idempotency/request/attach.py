@@ -140,7 +140,7 @@ def patience(request: HttpRequest, default: float | None) -> Patience:
         return Patience(min(float(asked), cap), asked)
     if default is None:
         default = conf.ATTACH_DEFAULT_WAIT_SECONDS
-    seconds = float(default) if math.isfinite(default) else 0.0
+    seconds = 0.0 if math.isnan(default) else float(default)
     return Patience(min(max(0.0, seconds), cap))
 
 

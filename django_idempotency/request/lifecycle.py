@@ -85,6 +85,7 @@ __all__ = [
     "identify",
     "opt_out_of_atomic_requests",
     "read_key",
+    "reclaim",
     "refusal",
     "release",
     "replay",
