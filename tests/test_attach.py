@@ -114,6 +114,14 @@ def no_waiter_left() -> Iterator[None]:
     until(waiters(0), "the waiters to leave")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_poller_left() -> Iterator[None]:
+    """The poller closes its connection when it stops; the test database can only be dropped
+    once no connection to it is left."""
+    yield
+    until(lambda: attach._registry.poller is None, "the poller to stop")
+
+
 # --- a duplicate attaches to the request in flight ----------------------------------------------
 
 
@@ -444,32 +452,40 @@ def test_a_huge_wait_is_capped(key, held, idempotency_settings):
 # --- under a real ASGI server --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("door", ["decorator-async", "middleware-async"])
-def test_asgi_duplicate_attaches(door, tmp_path: Path, django_db_blocker: Any):
+@pytest.fixture(scope="module")
+def asgi_server(django_db_setup: Any, django_db_blocker: Any) -> Iterator[Any]:
     from tests.servers import uvicorn
+
+    with django_db_blocker.unblock(), uvicorn() as running:
+        yield running
+
+
+@pytest.mark.parametrize("door", ["decorator-async", "middleware-async", "middleware", "mixin"])
+def test_asgi_duplicate_attaches(door, tmp_path: Path, asgi_server: Any):
+    """Under uvicorn: async views, and sync ones behind the middleware (whose ``process_view``
+    is async under ASGI), wait on the event loop; the mixin's sync view in its own thread."""
     from tests.test_asgi import post
 
     key = f"asgi-attach-{uuid.uuid4()}"
     hold = tmp_path / "hold"
     hold.touch()
-    with django_db_blocker.unblock(), uvicorn() as server:
-        first = InThread(lambda: post(server, door, key, name="asgi", hold_file=str(hold)))
-        until(lambda: IdempotencyRecord.objects.filter(key=key).exists(), "the first claim")
-        duplicate = InThread(
-            lambda: server.request(
-                "POST",
-                doors.DOORS[door],
-                {"name": "asgi", "hold_file": str(hold)},
-                headers={"Idempotency-Key": key, "Prefer": "wait=20"},
-            )
+    first = InThread(lambda: post(asgi_server, door, key, name="asgi", hold_file=str(hold)))
+    until(lambda: IdempotencyRecord.objects.filter(key=key).exists(), "the first claim")
+    duplicate = InThread(
+        lambda: asgi_server.request(
+            "POST",
+            doors.DOORS[door],
+            {"name": "asgi", "hold_file": str(hold)},
+            headers={"Idempotency-Key": key, "Prefer": "wait=20"},
         )
-        time.sleep(1)  # the duplicate is sent and waiting; nothing asserts on this pause
-        hold.unlink()
-        status, headers, body = first.result()
-        assert status == 201, body
-        status, headers, content = duplicate.result()
-        assert status == 201, content
-        assert headers["Idempotent-Replay"] == "true"
-        assert json.loads(content) == body
-        assert headers["Preference-Applied"] == "wait=10"  # capped at the default maximum
+    )
+    time.sleep(1)  # the duplicate is sent and waiting; nothing asserts on this pause
+    hold.unlink()
+    status, headers, body = first.result()
+    assert status == 201, body
+    status, headers, content = duplicate.result()
+    assert status == 201, content
+    assert headers["Idempotent-Replay"] == "true"
+    assert json.loads(content) == body
+    assert headers["Preference-Applied"] == "wait=10"  # capped at the default maximum
     assert Widget.objects.filter(name="asgi").count() == 1

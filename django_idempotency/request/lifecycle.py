@@ -92,6 +92,7 @@ __all__ = [
     "run",
     "serve",
     "serve_async",
+    "serve_sync_view_async",
     "unhandled",
 ]
 
@@ -517,14 +518,37 @@ async def serve_async(
     ``sync_to_async`` database calls then run in this same thread, inside the transaction that
     also stores the response. A request the lifecycle leaves alone never leaves the event loop,
     and a duplicate that waits for a request in flight waits on the event loop, not in that
-    thread: the thread's part hands it back registered (:class:`Attaching`), and a second
-    part claims again once it is woken.
+    thread (:func:`_serve_from_loop`).
     """
     if not guards(request, options) or (
         conf.HEADER not in request.headers and not conf.KEY_REQUIRED
     ):
         return await call_view()
-    call = async_to_sync(call_view)
+    return await _serve_from_loop(request, async_to_sync(call_view), options, view)
+
+
+async def serve_sync_view_async(
+    request: HttpRequest,
+    call_view: CallView,
+    options: Options,
+    *,
+    view: Callable[..., Any] | None = None,
+) -> HttpResponseBase:
+    """:func:`serve` for a sync view served from async code (the middleware under ASGI): the
+    view and the lifecycle run in the ``thread_sensitive`` thread, a wait on the event loop."""
+    if not guards(request, options):
+        return await sync_to_async(unhandled, thread_sensitive=True)(call_view, view)
+    return await _serve_from_loop(request, call_view, options, view)
+
+
+async def _serve_from_loop(
+    request: HttpRequest,
+    call: CallView,
+    options: Options,
+    view: Callable[..., Any] | None,
+) -> HttpResponseBase:
+    """The thread's part hands a duplicate that may wait back registered (:class:`Attaching`);
+    the loop awaits it, holding no thread; a second part in the thread claims again."""
     served = await sync_to_async(_serve, thread_sensitive=True)(
         request, call, options, view=view, detach=True
     )
