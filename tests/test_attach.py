@@ -366,6 +366,19 @@ def test_the_poller_stops_and_closes_its_connection_when_nobody_waits(key, held,
     assert "django-idempotency-attach" in closed_by
 
 
+def test_an_abandoned_waiter_is_forgotten():
+    """A waiter registered and never waited on (an async task cancelled in between) leaves no
+    lasting place in the registry."""
+    from django.test import RequestFactory
+
+    from django_idempotency.core.types import Identity
+
+    identity = Identity("scope", f"abandoned-{uuid.uuid4()}", "f" * 64, "POST", "/")
+    waiter = attach.enlist(RequestFactory().post("/"), identity, "default", attach.Patience(0.05))
+    assert waiter is not None and attach.waiting() == 1
+    until(waiters(0), "the abandoned waiter to be forgotten")
+
+
 # --- Prefer: wait, malformed, negative or huge ---------------------------------------------------
 
 

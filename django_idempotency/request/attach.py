@@ -258,6 +258,16 @@ class _Registry:
         for waiter in woken:
             waiter.wake()
 
+    def _forget_abandoned(self) -> None:
+        """Drop waiters long past their deadline: a waiter leaves the registry itself when it
+        stops waiting, so one still here was abandoned (its async task cancelled between its
+        registration and its wait) and must not hold a place or keep the poller going."""
+        stale = time.monotonic() - _LINGER_SECONDS
+        with self._lock:
+            abandoned = [w for ws in self.waiters.values() for w in ws if w.deadline < stale]
+        for waiter in abandoned:
+            self.remove(waiter)
+
     def _poll(self) -> None:
         """The poller: one statement per database and tick for every awaited key, while any.
 
@@ -268,6 +278,7 @@ class _Registry:
         try:
             while True:
                 time.sleep(_poll_seconds())
+                self._forget_abandoned()
                 with self._lock:
                     if not self.waiters:
                         idle_since = idle_since or time.monotonic()
