@@ -56,6 +56,9 @@ __all__ = [
     "E013",
     "E014",
     "E015",
+    "E016",
+    "E017",
+    "E018",
     "E020",
     "E021",
     "E022",
@@ -114,6 +117,9 @@ E012 = "django_idempotency.E012"  # MIDDLEWARE_METHODS not HTTP methods
 E013 = "django_idempotency.E013"  # a middleware after IdempotencyMiddleware has process_view
 E014 = "django_idempotency.E014"  # CREDENTIAL_SCOPE is neither "digest" nor "refuse"
 E015 = "django_idempotency.E015"  # CREDENTIAL_HEADERS is not a list of header names
+E016 = "django_idempotency.E016"  # an ATTACH_*_WAIT_SECONDS setting is not a number >= 0
+E017 = "django_idempotency.E017"  # ATTACH_MAX_WAITERS is not an integer >= 0
+E018 = "django_idempotency.E018"  # ATTACH_POLL_SECONDS is not a positive number
 W001 = "django_idempotency.W001"  # unknown key in IDEMPOTENCY
 W002 = "django_idempotency.W002"  # STORED_RESPONSE_HEADERS lists a header never stored
 W003 = "django_idempotency.W003"  # SQLite without IMMEDIATE transactions
@@ -880,6 +886,24 @@ SETTINGS_CHECKS: tuple[Check, ...] = (
         _bad_credential_headers,
         HEADER_NAMES_MESSAGE,
         "For example ('Authorization',), or ('Authorization', 'X-Api-Key').",
+    ),
+    Check(
+        E016,
+        _bad_numbers("ATTACH_DEFAULT_WAIT_SECONDS", "ATTACH_MAX_WAIT_SECONDS", zero=True),
+        "IDEMPOTENCY[{name!r}] must be a number of seconds >= 0, not {value}.",
+        "0 turns waiting off; remove it to use the default, {default!r}.",
+    ),
+    Check(
+        E017,
+        _bad_numbers("ATTACH_MAX_WAITERS", whole=True, zero=True),
+        "IDEMPOTENCY['ATTACH_MAX_WAITERS'] must be an integer >= 0, not {value}.",
+        "It bounds the duplicates waiting in one process; 0 answers every one 409 at once.",
+    ),
+    Check(
+        E018,
+        _bad_numbers("ATTACH_POLL_SECONDS"),
+        "IDEMPOTENCY['ATTACH_POLL_SECONDS'] must be a positive number of seconds, not {value}.",
+        "Remove it to use the default, {default!r}.",
     ),
 )
 

@@ -57,6 +57,11 @@ DEFAULTS: dict[str, Any] = {
     "MIDDLEWARE_METHODS": GUARDED_METHODS,
     "ERROR_TYPE_BASE": "urn:django-idempotency:error:",
     "LOG_KEYS": False,
+    # Attach instead of 409: a duplicate of a request in flight may wait for its answer.
+    "ATTACH_DEFAULT_WAIT_SECONDS": 0,
+    "ATTACH_MAX_WAIT_SECONDS": 10,
+    "ATTACH_MAX_WAITERS": 100,
+    "ATTACH_POLL_SECONDS": 0.01,
     # Requests whose credentials Django's own middleware does not turn into request.user.
     "CREDENTIAL_HEADERS": ("Authorization",),
     "CREDENTIAL_SCOPE": "digest",
@@ -289,6 +294,22 @@ class IdempotencySettings:
     @property
     def LOG_KEYS(self) -> bool:
         return self.boolean("LOG_KEYS")
+
+    @property
+    def ATTACH_DEFAULT_WAIT_SECONDS(self) -> float:
+        return self.number("ATTACH_DEFAULT_WAIT_SECONDS")
+
+    @property
+    def ATTACH_MAX_WAIT_SECONDS(self) -> float:
+        return self.number("ATTACH_MAX_WAIT_SECONDS")
+
+    @property
+    def ATTACH_MAX_WAITERS(self) -> int:
+        return self.integer("ATTACH_MAX_WAITERS")
+
+    @property
+    def ATTACH_POLL_SECONDS(self) -> float:
+        return self.number("ATTACH_POLL_SECONDS")
 
     @property
     def CREDENTIAL_HEADERS(self) -> tuple[str, ...]:

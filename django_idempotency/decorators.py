@@ -32,6 +32,7 @@ def idempotent(
     should_store: Callable[[HttpResponseBase], bool] | None = ...,
     heartbeat: bool | None = ...,
     max_body: BodyLimit = ...,
+    wait: float | None = ...,
 ) -> Callable[[ViewFunc], ViewFunc]: ...
 
 
@@ -42,6 +43,7 @@ def idempotent(
     should_store: Callable[[HttpResponseBase], bool] | None = None,
     heartbeat: bool | None = None,
     max_body: BodyLimit = DJANGO_LIMIT,
+    wait: float | None = None,
 ) -> Any:
     """Make a function view idempotent for ``methods``.
 
@@ -56,12 +58,17 @@ def idempotent(
     that reads a large raw body from its stream accept more than Django's
     ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (bytes, or None for no bound): the fingerprint hashes the
     body as it streams and hands it back to the view.
+
+    ``wait``: seconds a duplicate of a request still in flight waits for its answer instead of
+    getting 409 at once, when it sends no ``Prefer: wait`` (None: the setting
+    ``ATTACH_DEFAULT_WAIT_SECONDS``, 0 by default); see ``docs/howto/attach.md``.
     """
     options = lifecycle.Options(
         methods=frozenset(method.upper() for method in methods),
         should_store=should_store or lifecycle.default_should_store,
         heartbeat=heartbeat,
         max_body=max_body,
+        wait=wait,
     )
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:

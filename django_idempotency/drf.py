@@ -21,7 +21,7 @@ from django_idempotency.browsable import IdempotentBrowsableAPIRenderer
 from django_idempotency.conf import GUARDED_METHODS, conf
 from django_idempotency.core.types import Conflict, Mismatch, Proceed, Replay
 from django_idempotency.exceptions import IdempotencyHTTPError
-from django_idempotency.request import lifecycle
+from django_idempotency.request import attach, lifecycle
 from django_idempotency.request.fingerprint import (
     DJANGO_LIMIT,
     BodyLimit,
@@ -57,6 +57,9 @@ class IdempotencyMixin(_Base):
     #: Run DRF's permission and throttle checks before a replay too (off: a replay is the
     #: caller's own stored answer, sent once the caller is authenticated).
     idempotency_recheck_replays: bool = False
+    #: Seconds a duplicate of a request in flight waits for its answer instead of a 409, when
+    #: it sends no ``Prefer: wait`` (None: ``ATTACH_DEFAULT_WAIT_SECONDS``, 0 by default).
+    idempotency_wait: float | None = None
 
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
@@ -88,6 +91,7 @@ class IdempotencyMixin(_Base):
             should_store=self.should_store_response,
             heartbeat=self.idempotency_heartbeat,
             max_body=self.idempotency_max_body,
+            wait=self.idempotency_wait,
         )
 
     # --- the door ------------------------------------------------------------------------------
@@ -123,6 +127,7 @@ class IdempotencyMixin(_Base):
             request._request,
             scope=partial(self.get_idempotency_scope, request),
             fingerprint=partial(self.get_idempotency_fingerprint, request),
+            options=options,
         )
         match decision:
             case Replay(response=stored):
@@ -168,6 +173,7 @@ class IdempotencyMixin(_Base):
         self, request: Request, response: Any, *args: Any, **kwargs: Any
     ) -> Response:
         finalized = super().finalize_response(request, response, *args, **kwargs)
+        attach.preference_applied(request._request, finalized)
         hand_over_cleanup(request._request, finalized)
         return finalized
 

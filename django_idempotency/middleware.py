@@ -42,6 +42,9 @@ class IdempotencyMiddleware:
         self.async_mode = iscoroutinefunction(get_response)
         if self.async_mode:
             markcoroutinefunction(self)
+            # Django adapts process_view to the handler by its own kind: an async one is
+            # awaited on the event loop, so a duplicate that waits does it there.
+            self.process_view = self.process_view_async  # type: ignore[method-assign,assignment]
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.async_mode:
@@ -61,9 +64,10 @@ class IdempotencyMiddleware:
     ) -> HttpResponseBase | None:
         """Serve a guarded request through the lifecycle; leave the others to Django.
 
-        Under ASGI Django runs this method in the thread its async ORM calls use, and an async
-        view is called from it with ``async_to_sync``, so the view's database calls and the
-        response's storage share one transaction.
+        Under ASGI :meth:`process_view_async` takes its place, and runs the lifecycle in the
+        thread Django's async ORM calls use; an async view is called from it with
+        ``async_to_sync``, so the view's database calls and the response's storage share one
+        transaction.
         """
         options = self.options()
         if not (self.guards(request) and lifecycle.guards(request, options)):
@@ -75,6 +79,29 @@ class IdempotencyMiddleware:
             **view_kwargs,
         )
         return lifecycle.serve(request, call, options, view=view_func)
+
+    async def process_view_async(
+        self,
+        request: HttpRequest,
+        view_func: Callable[..., Any],
+        view_args: tuple[Any, ...],
+        view_kwargs: dict[str, Any],
+    ) -> HttpResponseBase | None:
+        """:meth:`process_view` under ASGI: the lifecycle and the view run in the thread the
+        async ORM calls use, as there; a duplicate that waits for a request in flight waits on
+        the event loop."""
+        options = self.options()
+        if not (self.guards(request) and lifecycle.guards(request, options)):
+            return None
+        if iscoroutinefunction(view_func):
+            return await lifecycle.serve_async(
+                request, partial(view_func, request, *view_args, **view_kwargs), options,
+                view=view_func,
+            )  # fmt: skip
+        return await lifecycle.serve_sync_view_async(
+            request, partial(view_func, request, *view_args, **view_kwargs), options,
+            view=view_func,
+        )  # fmt: skip
 
     def options(self) -> lifecycle.Options:
         """The lifecycle's options for guarded requests; read from the settings each time."""

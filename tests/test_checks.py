@@ -193,6 +193,18 @@ SCENARIOS: dict[str, tuple[Scenario, Scenario]] = {
         lambda p: p.idempotency(CREDENTIAL_HEADERS="Authorization"),
         lambda p: p.idempotency(CREDENTIAL_HEADERS=["Authorization", "X-Api-Key"]),
     ),
+    checks.E016: (
+        lambda p: p.idempotency(ATTACH_MAX_WAIT_SECONDS=-1),
+        lambda p: p.idempotency(ATTACH_DEFAULT_WAIT_SECONDS="2.5", ATTACH_MAX_WAIT_SECONDS=0),
+    ),
+    checks.E017: (
+        lambda p: p.idempotency(ATTACH_MAX_WAITERS=1.5),
+        lambda p: p.idempotency(ATTACH_MAX_WAITERS="0"),
+    ),
+    checks.E018: (
+        lambda p: p.idempotency(ATTACH_POLL_SECONDS=0),
+        lambda p: p.idempotency(ATTACH_POLL_SECONDS="0.05"),
+    ),
     checks.W003: (
         lambda p: p.database(ENGINE="django.db.backends.sqlite3", OPTIONS={}),
         lambda p: p.database(

@@ -34,6 +34,7 @@ from django_idempotency.request.keys import redact
 __all__ = [
     "SPAN_PREFIX",
     "announce",
+    "attached",
     "completed",
     "fast_path_failed",
     "instrumented",
@@ -80,6 +81,17 @@ def announce(identity: Identity, decision: Decision) -> None:
         case Mismatch():
             _info("idempotency payload mismatch", identity, "mismatched")
             _send(signals.payload_mismatched, identity)
+
+
+def attached(identity: Identity, decision: Decision) -> None:
+    """A duplicate that waited for a request in flight, and what its claim then said."""
+    outcome = {
+        Replay: "replayed",
+        Proceed: "proceeded",
+        Conflict: "conflicted",
+        Mismatch: "mismatched",
+    }[type(decision)]
+    _info("idempotency duplicate attached", identity, "attached", outcome=outcome)
 
 
 def completed(lease: Lease, stored: StoredResponse) -> None:

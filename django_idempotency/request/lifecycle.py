@@ -18,6 +18,9 @@ The rules a request meets, whichever door it came through:
   to be stored (5xx by default, or one DRF made from an exception), or marks its transaction for
   rollback (``transaction.set_rollback(True)``, or a database error it caught); the client gets
   the view's own answer and a retry with the same key runs again.
+* A duplicate of a request in flight gets 409 with ``Retry-After``, unless it may wait
+  (``Prefer: wait=N``, or ``Options.wait``; ``attach.py``): then it waits, holding no
+  connection, until the first request is done or its time runs out, and claims once more.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from django_idempotency.exceptions import (
     StoreUnavailable,
     TransactionInProgress,
 )
-from django_idempotency.request import cache, events, store
+from django_idempotency.request import attach, cache, events, store
 from django_idempotency.request.fingerprint import (
     DJANGO_LIMIT,
     BodyLimit,
@@ -71,6 +74,7 @@ from django_idempotency.request.scopes import resolve_scope
 
 __all__ = [
     "UNAVAILABLE_ERRORS",
+    "Attaching",
     "Options",
     "DEFAULT_OPTIONS",
     "admit",
@@ -81,12 +85,14 @@ __all__ = [
     "identify",
     "opt_out_of_atomic_requests",
     "read_key",
+    "reclaim",
     "refusal",
     "release",
     "replay",
     "run",
     "serve",
     "serve_async",
+    "serve_sync_view_async",
     "unhandled",
 ]
 
@@ -122,9 +128,23 @@ class Options:
     #: The largest body (not multipart) the fingerprint reads: Django's own
     #: ``DATA_UPLOAD_MAX_MEMORY_SIZE`` by default; more only for a view that streams its body.
     max_body: BodyLimit = DJANGO_LIMIT
+    #: Seconds a duplicate of a request in flight waits for its answer instead of a 409, when
+    #: it sends no ``Prefer: wait`` (None: ``ATTACH_DEFAULT_WAIT_SECONDS``, 0 by default).
+    wait: float | None = None
 
 
 DEFAULT_OPTIONS = Options()
+
+
+@dataclass(frozen=True, slots=True)
+class Attaching:
+    """A duplicate that is to wait for ``identity`` (registered as ``waiter``), then claim again.
+
+    What the sync part of :func:`serve_async` hands back, so the wait happens on the event loop.
+    """
+
+    identity: Identity
+    waiter: attach.Waiter
 
 
 # --- the doors' shared steps -------------------------------------------------------------------
@@ -146,17 +166,58 @@ def read_key(request: HttpRequest) -> str | None:
 
 
 def admit(
-    request: HttpRequest, *, scope: Callable[[], str], fingerprint: Callable[[], str]
+    request: HttpRequest,
+    *,
+    scope: Callable[[], str],
+    fingerprint: Callable[[], str],
+    options: Options = DEFAULT_OPTIONS,
 ) -> Decision | None:
     """Read the key and claim it: what this request may do, or ``None`` when it has no key.
 
+    A key held by a request in flight is waited for when the request may wait (``options.wait``
+    or ``Prefer: wait``), then claimed once more: the caller gets what a retry would get then.
     Raises an :class:`IdempotencyHTTPError` for a missing or malformed key, a scope that cannot
     be told, or a database that cannot be reached (503).
     """
+    decision = _admit(request, scope, fingerprint, options, detach=False)
+    assert not isinstance(decision, Attaching)
+    return decision
+
+
+def _admit(
+    request: HttpRequest,
+    scope: Callable[[], str],
+    fingerprint: Callable[[], str],
+    options: Options,
+    *,
+    detach: bool,
+) -> Decision | Attaching | None:
+    """:func:`admit`; with ``detach``, a duplicate that may wait is handed back registered
+    (:class:`Attaching`) instead of waiting in this thread."""
     key = read_key(request)
     if key is None:
         return None
-    return claim(identify(request, key, scope=scope(), fingerprint=fingerprint()))
+    identity = identify(request, key, scope=scope(), fingerprint=fingerprint())
+    decision = claim(identity)
+    if not isinstance(decision, Conflict):
+        return decision
+    waiter = attach.enlist(
+        request, identity, store.database_alias(), attach.patience(request, options.wait)
+    )
+    if waiter is None:
+        return decision
+    if detach:
+        return Attaching(identity, waiter)
+    with waiter:
+        waiter.wait()
+    return reclaim(identity)
+
+
+def reclaim(identity: Identity) -> Decision:
+    """The one claim a duplicate makes after waiting: whatever it says is the answer."""
+    decision = claim(identity)
+    events.attached(identity, decision)
+    return decision
 
 
 def identify(request: HttpRequest, key: str, *, scope: str, fingerprint: str) -> Identity:
@@ -276,6 +337,8 @@ def run(
         # The copy expires with the record, which was given its TTL at the commit just done.
         ttl = conf.TTL_SECONDS - (time.monotonic() - completed_at)
         cache.remember(lease.identity, stored, ttl)
+    # After the commit (and the Redis copy): a woken duplicate's claim must find the response.
+    attach.notify(lease.using, lease.identity)
     return _first_time(response)
 
 
@@ -298,6 +361,7 @@ def release(lease: Lease, reason: str) -> None:
         return
     if released:
         events.released(lease.identity, reason)
+        attach.notify(lease.using, lease.identity)
 
 
 def _first_time(response: HttpResponseBase) -> HttpResponseBase:
@@ -368,25 +432,84 @@ def serve(
     (for its ATOMIC_REQUESTS opt-outs); ``scope`` and ``fingerprint`` override the defaults."""
     if not guards(request, options):
         return unhandled(call_view, view)
+    served = _serve(
+        request,
+        call_view,
+        options,
+        view=view,
+        scope=scope,
+        fingerprint=fingerprint,
+        error_response=error_response,
+        detach=False,
+    )
+    assert not isinstance(served, Attaching)
+    return served
+
+
+def _serve(
+    request: HttpRequest,
+    call_view: CallView,
+    options: Options,
+    *,
+    view: Callable[..., Any] | None,
+    scope: Callable[[], str] | None = None,
+    fingerprint: Callable[[], str] | None = None,
+    error_response: ErrorResponse = problem_response,
+    detach: bool,
+) -> HttpResponseBase | Attaching:
     try:
-        decision = admit(
+        decision = _admit(
             request,
-            scope=scope or partial(resolve_scope, request),
-            fingerprint=fingerprint
-            or partial(request_fingerprint, request, max_body=options.max_body),
+            scope or partial(resolve_scope, request),
+            fingerprint or partial(request_fingerprint, request, max_body=options.max_body),
+            options,
+            detach=detach,
         )
-        match decision:
-            case None:
-                response = unhandled(call_view, view)
-            case Replay(response=stored):
-                response = replay(stored)
-            case Conflict() | Mismatch():
-                response = error_response(refusal(decision))
-            case Proceed(lease=lease):
-                response = run(lease, call_view, options, request=request, view=view)
+        if isinstance(decision, Attaching):
+            return decision
+        response = _answer(request, decision, call_view, options, view, error_response)
     except IdempotencyHTTPError as error:
         response = error_response(error)
-    return hand_over_cleanup(request, response)
+    return _finish(request, response)
+
+
+def _answer(
+    request: HttpRequest,
+    decision: Decision | None,
+    call_view: CallView,
+    options: Options,
+    view: Callable[..., Any] | None,
+    error_response: ErrorResponse,
+) -> HttpResponseBase:
+    match decision:
+        case None:
+            return unhandled(call_view, view)
+        case Replay(response=stored):
+            return replay(stored)
+        case Conflict() | Mismatch():
+            return error_response(refusal(decision))
+        case Proceed(lease=lease):
+            return run(lease, call_view, options, request=request, view=view)
+
+
+def _finish(request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:
+    return hand_over_cleanup(request, attach.preference_applied(request, response))
+
+
+def _resume(
+    request: HttpRequest,
+    attaching: Attaching,
+    call_view: CallView,
+    options: Options,
+    view: Callable[..., Any] | None,
+) -> HttpResponseBase:
+    """After an async duplicate's wait: claim once more and answer as the claim says."""
+    try:
+        decision = reclaim(attaching.identity)
+        response = _answer(request, decision, call_view, options, view, problem_response)
+    except IdempotencyHTTPError as error:
+        response = problem_response(error)
+    return _finish(request, response)
 
 
 async def serve_async(
@@ -401,12 +524,44 @@ async def serve_async(
     The view's transaction must live in one thread. The lifecycle runs in the thread Django's
     async ORM calls use (``thread_sensitive``), and the async view inside it: its
     ``sync_to_async`` database calls then run in this same thread, inside the transaction that
-    also stores the response. A request the lifecycle leaves alone never leaves the event loop.
+    also stores the response. A request the lifecycle leaves alone never leaves the event loop,
+    and a duplicate that waits for a request in flight waits on the event loop, not in that
+    thread (:func:`_serve_from_loop`).
     """
     if not guards(request, options) or (
         conf.HEADER not in request.headers and not conf.KEY_REQUIRED
     ):
         return await call_view()
-    return await sync_to_async(serve, thread_sensitive=True)(
-        request, async_to_sync(call_view), options, view=view
+    return await _serve_from_loop(request, async_to_sync(call_view), options, view)
+
+
+async def serve_sync_view_async(
+    request: HttpRequest,
+    call_view: CallView,
+    options: Options,
+    *,
+    view: Callable[..., Any] | None = None,
+) -> HttpResponseBase:
+    """:func:`serve` for a sync view served from async code (the middleware under ASGI): the
+    view and the lifecycle run in the ``thread_sensitive`` thread, a wait on the event loop."""
+    if not guards(request, options):
+        return await sync_to_async(unhandled, thread_sensitive=True)(call_view, view)
+    return await _serve_from_loop(request, call_view, options, view)
+
+
+async def _serve_from_loop(
+    request: HttpRequest,
+    call: CallView,
+    options: Options,
+    view: Callable[..., Any] | None,
+) -> HttpResponseBase:
+    """The thread's part hands a duplicate that may wait back registered (:class:`Attaching`);
+    the loop awaits it, holding no thread; a second part in the thread claims again."""
+    served = await sync_to_async(_serve, thread_sensitive=True)(
+        request, call, options, view=view, detach=True
     )
+    if not isinstance(served, Attaching):
+        return served
+    with served.waiter:
+        await served.waiter.wait_async()
+    return await sync_to_async(_resume, thread_sensitive=True)(request, served, call, options, view)

@@ -20,6 +20,9 @@ middleware (sync, async, and a DRF view without the mixin), ``@idempotent`` (syn
 ``hold_file`` (with any mode)
     after writing, wait while that file exists (at most a minute): a request held in flight
     across processes until the test deletes the file.
+``hold`` (with any mode)
+    after writing, say so on ``views.started[hold]`` and wait for ``views.gates[hold]`` (the
+    ``gate`` fixture): a request held in flight in this process.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from rest_framework.views import APIView
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
+from tests.testapp import views
 from tests.testapp.models import Widget
 
 #: How many times each key reached the view (``*_once`` modes, and re-execution checks).
@@ -56,6 +60,9 @@ def behave(request: Any, data: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     user = getattr(request, "user", None)
     who = str(user.pk) if user is not None and user.is_authenticated else "anonymous"
     widget = Widget.objects.create(name=str(data.get("name", "door")), created_by=who)
+    if data.get("hold") in views.gates:
+        views.started[data["hold"]].set()
+        views.gates[data["hold"]].wait(30)
     if data.get("hold_file"):
         deadline = time.monotonic() + 60
         while os.path.exists(data["hold_file"]) and time.monotonic() < deadline:
