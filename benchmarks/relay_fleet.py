@@ -10,6 +10,11 @@ monotonic clock (one clock for every process on the machine). The run then check
 relays sent: every event at least once, how many twice, and, per key, that no event went out
 before an earlier one of its key. It prints each relay's share and the CPU the relays and the
 database's backends used, so a run that is bound by the machine's cores says so.
+
+Then, at low load, commit -> publish latency: the relays run as ``outbox_relay --loop`` does
+(``run_forever``: on PostgreSQL they LISTEN and a commit's NOTIFY wakes them), and events are
+committed one at a time, ``--spacing`` seconds apart; each event's latency runs from just after
+its commit returned to its publish, both on the machine's monotonic clock.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from django.conf import settings  # noqa: E402
 from django.db import connection, transaction  # noqa: E402
 from django.test import override_settings  # noqa: E402
 
+from benchmarks.relay_throughput import fill  # noqa: E402
+from django_idempotency.conf import conf  # noqa: E402
 from django_idempotency.models import OutboxEvent  # noqa: E402
 from django_idempotency.outbox import publish  # noqa: E402
 from django_idempotency.outbox.relay import Relay, RelayStats  # noqa: E402
@@ -57,15 +64,6 @@ class TimedPublisher(MemoryPublisher):
 
 
 ROUTES = {"*": "benchmarks.relay_fleet.TimedPublisher"}
-
-
-def fill(count: int, keys: int) -> None:
-    OutboxEvent.objects.all().delete()
-    for start in range(0, count, 1000):
-        with transaction.atomic():
-            for n in range(start, min(start + 1000, count)):
-                key = f"aggregate-{n % keys}" if keys else None
-                publish("orders.paid", {"order": n, "total": "19.99"}, key=key)
 
 
 def child(out: str, batch_size: int | None) -> None:
@@ -109,6 +107,75 @@ def child(out: str, batch_size: int | None) -> None:
             }
         )
     )
+
+
+def listening_child(out: str) -> None:
+    """One relay as ``outbox_relay --loop`` runs it, until told to stop; then what it sent."""
+    import threading
+
+    stop = threading.Event()
+    with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "OUTBOX_PUBLISHERS": ROUTES}):
+        relay = Relay()
+        print("READY", flush=True)
+
+        def wait_for_stop() -> None:
+            sys.stdin.readline()
+            stop.set()
+
+        threading.Thread(target=wait_for_stop, daemon=True).start()
+        relay.run_forever(stop)
+        relay.close()
+    from benchmarks.relay_fleet import SENT as sent
+
+    Path(out).write_text(json.dumps({"sent": sent}))
+
+
+def latency(relays: int, count: int, spacing: float) -> dict[str, float]:
+    """Commit -> publish at low load: p50, p99 and max milliseconds over ``count`` events."""
+    OutboxEvent.objects.all().delete()
+    env = {**os.environ, "TEST_DATABASE_NAME": connection.settings_dict["NAME"]}
+    committed: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        outs = [str(Path(folder) / f"relay-{n}.json") for n in range(relays)]
+        children = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--listening-child", out],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for out in outs
+        ]
+        for process in children:
+            assert process.stdout is not None and process.stdout.readline().strip() == "READY"
+        time.sleep(1.5)  # every relay seated, and listening
+        for n in range(count):
+            with transaction.atomic():
+                event = publish("orders.paid", {"order": n}, key=f"aggregate-{n % 10}")
+            committed[str(event.event_id)] = time.monotonic_ns()
+            time.sleep(spacing)
+        deadline = time.monotonic() + 60
+        while OutboxEvent.objects.filter(status=OutboxStatus.PENDING).exists():
+            if time.monotonic() > deadline:
+                raise SystemExit("events still pending a minute after the last commit")
+            time.sleep(0.05)
+        for process in children:
+            assert process.stdin is not None
+            process.stdin.write("stop\n")
+            process.stdin.flush()
+        for process in children:
+            process.wait(timeout=60)
+        sent = [entry for out in outs for entry in json.loads(Path(out).read_text())["sent"]]
+    first: dict[str, int] = {}
+    for at, event_id in sorted(sent):
+        first.setdefault(event_id, at)
+    delays = sorted((first[event_id] - at) / 1e6 for event_id, at in committed.items())
+    return {
+        "p50": delays[len(delays) // 2],
+        "p99": delays[min(len(delays) - 1, int(len(delays) * 0.99))],
+        "max": delays[-1],
+    }
 
 
 def database_cpu_seconds() -> float:
@@ -202,16 +269,22 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=100)
     parser.add_argument("--relays", default="1,2,4")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the setting's")
+    parser.add_argument("--latency-events", type=int, default=200)
+    parser.add_argument("--spacing", type=float, default=0.05, help="seconds between commits")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--listening-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.batch_size)
+        return
+    if args.listening_child:
+        listening_child(args.listening_child)
         return
     if connection.vendor != "postgresql":
         raise SystemExit("Run with TEST_DATABASE=postgresql and POSTGRES_URL set.")
     old_name = connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
     try:
-        batch = args.batch_size or settings.IDEMPOTENCY.get("OUTBOX_BATCH_SIZE", "default")
+        batch = args.batch_size or conf.OUTBOX_BATCH_SIZE
         print(
             f"Relay fleet on PostgreSQL, {args.events} events over {args.keys} keys, batch {batch}"
         )
@@ -226,6 +299,17 @@ def main() -> None:
                 f"| {row['duplicates']} | {row['reordered']} | {row['relay_cpu']:.1f} "
                 f"| {row['database_cpu']:.1f} | {row['elapsed']:.1f} | {row['empty_passes']} |",
                 flush=True,
+            )
+        print(
+            f"\nCommit -> publish at low load: {args.latency_events} events committed one at a "
+            f"time, {args.spacing * 1000:.0f} ms apart, relays woken by NOTIFY"
+        )
+        print("| relays | p50 ms | p99 ms | max ms |")
+        print("|---:|---:|---:|---:|")
+        for relays in (1, 2):
+            row = latency(relays, args.latency_events, args.spacing)
+            print(
+                f"| {relays} | {row['p50']:.1f} | {row['p99']:.1f} | {row['max']:.1f} |", flush=True
             )
     finally:
         connection.close()

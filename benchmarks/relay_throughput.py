@@ -6,9 +6,10 @@
 Creates a throwaway test database, fills the outbox with ``--events`` committed events, and
 times ``Relay(batch_size=...).drain()`` until every event is PUBLISHED, for each publisher and
 batch size. The AMQP publisher uses publisher confirms (one wait per batch) against a fresh
-exchange with one bound queue, deleted afterwards. The NATS publisher awaits each batch's
-stream acks together, into a fresh file-stored stream, deleted afterwards. Only the relay is
-timed, not the inserts.
+exchange with one bound queue, deleted afterwards. The Celery publisher sends tasks through
+``benchmarks/celery_app.py`` (the same broker, publisher confirms on) into a fresh queue. The
+NATS publisher awaits each batch's stream acks together, into a fresh file-stored stream,
+deleted afterwards. Only the relay is timed, not the inserts.
 """
 
 from __future__ import annotations
@@ -121,10 +122,23 @@ def main() -> None:
             }
         }
 
+        celery_queue = Queue(f"{exchange_name}-celery", durable=False)
+        publishers["celery (confirms)"] = {
+            "*": {
+                "BACKEND": "django_idempotency.publishers.celery.CeleryPublisher",
+                "OPTIONS": {
+                    "app": "benchmarks.celery_app.app",
+                    "task": "bench.noop",
+                    "queue": celery_queue.name,
+                },
+            }
+        }
+
         def cleanup() -> None:
             channel = amqp.default_channel
             queue(channel).delete()
             exchange(channel).delete()
+            celery_queue(channel).delete()
             amqp.close()
 
     nats_url = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
@@ -152,6 +166,8 @@ def main() -> None:
                 print(f"{name:<16} {batch_size:>6} {rate:>10.0f}", flush=True)
                 if cleanup is not None and name.startswith("amqp"):
                     queue(amqp.default_channel).purge()
+                if cleanup is not None and name.startswith("celery"):
+                    celery_queue(amqp.default_channel).purge()
     finally:
         if cleanup is not None:
             cleanup()

@@ -169,6 +169,46 @@ def test_celery_publisher_reports_an_unreachable_broker():
         publisher.publish(message())
 
 
+def test_celery_publisher_sends_a_batch_in_order_through_one_producer(amqp_url):
+    """On RabbitMQ: one producer (one connection and channel) for the whole batch, the tasks
+    queued in the batch's order."""
+    from celery import Celery
+
+    app = Celery("batch-test", set_as_current=False, broker=amqp_url)
+    queue = f"q-{uuid.uuid4().hex}"
+    publisher = CeleryPublisher(app=app, task="tests.testapp.tasks.record_effect", queue=queue)
+    batch = [message(payload={"name": f"n{n}"}) for n in range(5)]
+    acquired = []
+    pool = app.producer_pool
+    real = pool.acquire
+
+    def counted(*args, **kwargs):
+        acquired.append(1)
+        return real(*args, **kwargs)
+
+    pool.acquire = counted
+    try:
+        assert publisher.publish_many(batch) == [None] * 5
+        with app.connection_for_read() as connection:
+            simple = connection.SimpleQueue(queue)
+            received = [simple.get(timeout=5) for _ in batch]
+            simple.close()
+            Queue(queue)(connection.default_channel).delete()
+    finally:
+        app.close()
+    assert acquired == [1]
+    assert [m.headers["id"] for m in received] == [str(m.event_id) for m in batch]
+
+
+def test_celery_publisher_fails_a_whole_batch_when_the_broker_is_unreachable():
+    from celery import Celery
+
+    app = Celery("unreachable", set_as_current=False, broker="amqp://guest:guest@127.0.0.1:1//")
+    app.conf.broker_connection_timeout = 1
+    results = CeleryPublisher(app=app).publish_many([message(), message()])
+    assert [type(result) for result in results] == [BrokerUnavailable, BrokerUnavailable]
+
+
 # --- webhook ----------------------------------------------------------------------------------
 
 
