@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ from django.test import override_settings  # noqa: E402
 
 from benchmarks.relay_throughput import fill  # noqa: E402
 from django_idempotency.conf import conf  # noqa: E402
+from django_idempotency.exceptions import PublishError  # noqa: E402
 from django_idempotency.models import OutboxEvent  # noqa: E402
 from django_idempotency.outbox import publish  # noqa: E402
 from django_idempotency.outbox.relay import Relay, RelayStats  # noqa: E402
@@ -56,9 +59,19 @@ SENT: list[tuple[int, str]] = []
 
 
 class TimedPublisher(MemoryPublisher):
-    """Publishes in memory and notes when, on the machine's monotonic clock."""
+    """Publishes in memory and notes when, on the machine's monotonic clock. With
+    ``FLEET_FAIL_ONE_IN`` = N in the environment, one event in N fails its first attempt (it is
+    published on its retry, after the relay's backoff)."""
+
+    fail_one_in = int(os.environ.get("FLEET_FAIL_ONE_IN", "0"))
 
     def publish(self, message: OutboxMessage) -> None:
+        if (
+            self.fail_one_in
+            and message.attempt == 1
+            and message.event_id.int % self.fail_one_in == 0
+        ):
+            raise PublishError(f"injected first-attempt failure for {message.event_id}")
         super().publish(message)
         SENT.append((time.monotonic_ns(), str(message.event_id)))
 
@@ -197,11 +210,26 @@ def database_cpu_seconds() -> float:
     return total / tick
 
 
-def run(relays: int, count: int, keys: int, batch_size: int | None) -> dict[str, Any]:
-    fill(count, keys)
+def run(
+    relays: int,
+    count: int,
+    keys: int,
+    batch_size: int | None,
+    *,
+    fill_with: Callable[[int, int], None] = fill,
+    env_extra: dict[str, str] | None = None,
+    alongside: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> dict[str, Any]:
+    """Fill the outbox, let ``relays`` relay processes drain it (``alongside`` open while they
+    do), and check what they sent."""
+    fill_with(count, keys)
     ids = dict(OutboxEvent.objects.values_list("event_id", "pk"))
     key_of = dict(OutboxEvent.objects.values_list("pk", "key"))
-    env = {**os.environ, "TEST_DATABASE_NAME": connection.settings_dict["NAME"]}
+    env = {
+        **os.environ,
+        **(env_extra or {}),
+        "TEST_DATABASE_NAME": connection.settings_dict["NAME"],
+    }
     with tempfile.TemporaryDirectory() as folder:
         outs = [str(Path(folder) / f"relay-{n}.json") for n in range(relays)]
         children = [
@@ -218,15 +246,16 @@ def run(relays: int, count: int, keys: int, batch_size: int | None) -> dict[str,
         for process in children:
             assert process.stdout is not None and process.stdout.readline().strip() == "READY"
         database_cpu = database_cpu_seconds()
-        started = time.monotonic_ns()
-        for process in children:
-            assert process.stdin is not None
-            process.stdin.write("go\n")
-            process.stdin.flush()
-        for process in children:
-            if process.wait(timeout=600) != 0:
-                raise SystemExit(f"a relay exited with {process.returncode}")
-        elapsed = (time.monotonic_ns() - started) / 1e9
+        with alongside():
+            started = time.monotonic_ns()
+            for process in children:
+                assert process.stdin is not None
+                process.stdin.write("go\n")
+                process.stdin.flush()
+            for process in children:
+                if process.wait(timeout=3600) != 0:
+                    raise SystemExit(f"a relay exited with {process.returncode}")
+            elapsed = (time.monotonic_ns() - started) / 1e9
         database_cpu = database_cpu_seconds() - database_cpu
         results = [json.loads(Path(out).read_text()) for out in outs]
     sent = sorted(

@@ -426,3 +426,26 @@ def test_a_claim_that_waited_for_the_database_lock_still_gets_its_whole_lease():
     # The lease runs from when the claim got the lock, so the publish budget (a share of the
     # lease, counted from after the claim) can never outlast it.
     assert row.locked_until >= released_at + timedelta(seconds=lease)
+
+
+def test_a_polling_relay_comes_back_soon_after_a_busy_pass_and_backs_off_while_idle():
+    """Without LISTEN the relay polls: 50 ms after a pass that found events, then twice as long
+    after each pass that finds none, never longer than the poll."""
+    from django_idempotency.outbox.relay import _waiter
+
+    class Recorded(threading.Event):
+        def __init__(self):
+            super().__init__()
+            self.waits = []
+
+        def wait(self, timeout=None):
+            self.waits.append(timeout)
+            return False
+
+    stop = Recorded()
+    with settings_with(OUTBOX_NOTIFY=False), _waiter(connection.alias) as wait:
+        wait(1.0, stop, True)
+        for _ in range(6):
+            wait(1.0, stop, False)
+        wait(1.0, stop, True)
+    assert stop.waits == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 0.05]
