@@ -26,8 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,9 @@ from django_idempotency.exceptions import PublishError  # noqa: E402
 from django_idempotency.models import OutboxEvent  # noqa: E402
 from django_idempotency.outbox import publish  # noqa: E402
 from django_idempotency.outbox.relay import Relay, RelayStats  # noqa: E402
-from django_idempotency.publishers.base import OutboxMessage  # noqa: E402
+from django_idempotency.publishers.amqp import AMQPPublisher  # noqa: E402
+from django_idempotency.publishers.base import OutboxMessage, Publisher  # noqa: E402
+from django_idempotency.publishers.celery import CeleryPublisher  # noqa: E402
 from django_idempotency.publishers.memory import MemoryPublisher  # noqa: E402
 from django_idempotency.querysets import OutboxStatus  # noqa: E402
 
@@ -76,14 +79,71 @@ class TimedPublisher(MemoryPublisher):
         SENT.append((time.monotonic_ns(), str(message.event_id)))
 
 
-ROUTES = {"*": "benchmarks.relay_fleet.TimedPublisher"}
+class _NotesWhatItSent(Publisher):
+    """Notes when each event the broker accepted went (one time per batch: the confirms')."""
+
+    def publish_many(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        results = super().publish_many(messages)
+        at = time.monotonic_ns()
+        accepted = zip(messages, results, strict=True)
+        SENT.extend((at, str(message.event_id)) for message, error in accepted if error is None)
+        return results
+
+
+class TimedAMQPPublisher(_NotesWhatItSent, AMQPPublisher):
+    """The AMQP publisher: the batch sent, then its confirms awaited together."""
+
+
+class TimedCeleryPublisher(_NotesWhatItSent, CeleryPublisher):
+    """The Celery publisher, ``confirm_publish`` on: each task waits for its confirm."""
+
+
+def routes() -> dict[str, Any]:
+    """The publisher ``FLEET_PUBLISHER`` names: memory (default), amqp or celery."""
+    name = os.environ.get("FLEET_PUBLISHER", "memory")
+    if name == "amqp":
+        options = {"url": os.environ["AMQP_URL"], "exchange": os.environ["FLEET_DESTINATION"]}
+        return {"*": {"BACKEND": "benchmarks.relay_fleet.TimedAMQPPublisher", "OPTIONS": options}}
+    if name == "celery":
+        options = {
+            "app": "benchmarks.celery_app.app",
+            "task": "bench.noop",
+            "queue": os.environ["FLEET_DESTINATION"],
+        }
+        return {"*": {"BACKEND": "benchmarks.relay_fleet.TimedCeleryPublisher", "OPTIONS": options}}
+    return {"*": "benchmarks.relay_fleet.TimedPublisher"}
+
+
+@contextmanager
+def destination(publisher: str) -> Iterator[dict[str, str]]:
+    """A fresh exchange (AMQP) or queue (Celery) on ``AMQP_URL`` for one run, deleted after;
+    the environment the relays need to publish there."""
+    if publisher == "memory":
+        yield {"FLEET_PUBLISHER": "memory"}
+        return
+    from kombu import Connection, Exchange, Queue
+
+    name = f"bench-fleet-{uuid.uuid4().hex[:12]}"
+    with Connection(os.environ["AMQP_URL"]) as amqp:
+        channel = amqp.default_channel
+        exchange = Exchange(name, type="topic", durable=True)
+        queue = Queue(name, exchange=exchange, routing_key="#", durable=False)
+        if publisher == "amqp":
+            queue(channel).declare()
+        try:
+            yield {"FLEET_PUBLISHER": publisher, "FLEET_DESTINATION": name}
+        finally:
+            channel = amqp.default_channel
+            queue(channel).delete()
+            if publisher == "amqp":
+                exchange(channel).delete()
 
 
 def child(out: str, batch_size: int | None) -> None:
     """One relay: wait for the go, relay until nothing is left, write down what it sent."""
     stats = RelayStats()
     empty_passes = 0
-    with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "OUTBOX_PUBLISHERS": ROUTES}):
+    with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "OUTBOX_PUBLISHERS": routes()}):
         relay = Relay(batch_size=batch_size)
         connection.ensure_connection()
         # Seated before the go, and looking again at once after it: every relay then knows
@@ -127,7 +187,7 @@ def listening_child(out: str) -> None:
     import threading
 
     stop = threading.Event()
-    with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "OUTBOX_PUBLISHERS": ROUTES}):
+    with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "OUTBOX_PUBLISHERS": routes()}):
         relay = Relay()
         print("READY", flush=True)
 
@@ -298,6 +358,12 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=100)
     parser.add_argument("--relays", default="1,2,4")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the setting's")
+    parser.add_argument(
+        "--publishers",
+        default="memory,amqp,celery",
+        help="memory, amqp (confirms per batch), celery (confirm_publish); amqp and celery "
+        "need AMQP_URL and are left out without it",
+    )
     parser.add_argument("--latency-events", type=int, default=200)
     parser.add_argument("--spacing", type=float, default=0.05, help="seconds between commits")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -317,14 +383,23 @@ def main() -> None:
         print(
             f"Relay fleet on PostgreSQL, {args.events} events over {args.keys} keys, batch {batch}"
         )
-        print("| relays | events/s | share per relay | lost | twice | reordered | relay CPU s "
-              "| PostgreSQL CPU s | wall s | passes that found nothing |")  # fmt: skip
-        print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-        for relays in (int(n) for n in args.relays.split(",")):
-            row = run(relays, args.events, args.keys, args.batch_size)
+        print("| publisher | relays | events/s | share per relay | lost | twice | reordered "
+              "| relay CPU s | PostgreSQL CPU s | wall s | passes finding nothing |")  # fmt: skip
+        print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        publishers = [
+            name
+            for name in args.publishers.split(",")
+            if name == "memory" or os.environ.get("AMQP_URL")
+        ]
+        for publisher, relays in (
+            (publisher, int(n)) for publisher in publishers for n in args.relays.split(",")
+        ):
+            with destination(publisher) as env_extra:
+                row = run(relays, args.events, args.keys, args.batch_size, env_extra=env_extra)
             shares = " / ".join(f"{share:,}" for share in row["shares"])
             print(
-                f"| {relays} | {row['events_per_second']:,.0f} | {shares} | {row['lost']} "
+                f"| {publisher} | {relays} | {row['events_per_second']:,.0f} | {shares} "
+                f"| {row['lost']} "
                 f"| {row['duplicates']} | {row['reordered']} | {row['relay_cpu']:.1f} "
                 f"| {row['database_cpu']:.1f} | {row['elapsed']:.1f} | {row['empty_passes']} |",
                 flush=True,
