@@ -144,7 +144,7 @@ def child(out: str, batch_size: int | None) -> None:
     stats = RelayStats()
     empty_passes = 0
     with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "OUTBOX_PUBLISHERS": routes()}):
-        relay = Relay(batch_size=batch_size)
+        relay = Relay(batch_size=batch_size, share_keys=True)
         connection.ensure_connection()
         # Seated before the go, and looking again at once after it: every relay then knows
         # how many there are from its first claim (the steady state, not the first second).

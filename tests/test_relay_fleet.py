@@ -139,7 +139,7 @@ def test_a_stuck_relays_share_waits_at_most_a_lease():
     try:
         assert take_seat(stuck) is not None  # a relay that runs, and never claims
         events = publish_backlog()
-        with Relay(lease_seconds=15) as relay:
+        with Relay(lease_seconds=15, share_keys=True) as relay:
             first = relay.drain()
             assert 0 < first.published < len(events), "the live relay took only its share"
             left = OutboxEvent.objects.exclude(status=OutboxEvent.Status.PUBLISHED)
@@ -151,3 +151,14 @@ def test_a_stuck_relays_share_waits_at_most_a_lease():
     finally:
         stuck.close()
         broker.clear()
+
+
+def test_a_relay_that_only_drains_takes_no_seat():
+    """The on-commit kick and the Celery task drain once: no seat, no connection for one."""
+    from django_idempotency.outbox.relay import Relay
+
+    publish_backlog()
+    with Relay() as relay:
+        relay.drain()
+        assert fleet(connection.alias) == 0
+    assert all_published()

@@ -177,7 +177,13 @@ def backoff_delay(attempts: int, rng: random.Random | None = None) -> float:
 
 class Relay:
     """Publishes due outbox events. Build one per process or thread and reuse it: it keeps its
-    publishers (and their broker connections) between passes."""
+    publishers (and their broker connections) between passes.
+
+    ``share_keys``: take a seat among the relays and claim only this relay's share of the keys
+    (see presence.py). :meth:`run_forever` turns it on; a relay that only drains once (the
+    on-commit kick, the Celery task, a test) claims from every key and opens no connection for a
+    seat.
+    """
 
     def __init__(
         self,
@@ -187,12 +193,14 @@ class Relay:
         lease_seconds: float | None = None,
         rng: random.Random | None = None,
         allow_in_transaction: bool = False,
+        share_keys: bool = False,
     ) -> None:
         self.using = using or router.db_for_write(OutboxEvent)
         self.batch_size = batch_size or conf.OUTBOX_BATCH_SIZE
         self.lease_seconds = lease_seconds or conf.OUTBOX_RELAY_LEASE_SECONDS
         self.rng = rng or random.Random()
         self.allow_in_transaction = allow_in_transaction
+        self.share_keys = share_keys
         self.publishers = PublisherSet()
         self._publisher_names: dict[int, str] = {}
         #: A published batch whose outcomes the database could not take yet.
@@ -301,7 +309,9 @@ class Relay:
 
     def _look_at_seat(self) -> None:
         """Hold a seat among the relays, and learn how many there are (at most once a second)."""
-        if not presence.enabled(self.using) or time.monotonic() < self._next_look_at_seat:
+        if not (self.share_keys and presence.enabled(self.using)):
+            return
+        if time.monotonic() < self._next_look_at_seat:
             return
         self._next_look_at_seat = time.monotonic() + _LOOK_FOR_GONE_RELAYS_SECONDS
         if self._seat_connection is None:
@@ -333,6 +343,7 @@ class Relay:
     ) -> None:
         """Relay until ``stop`` is set: wake on NOTIFY (PostgreSQL) or every ``poll_seconds``."""
         stop = stop or threading.Event()
+        self.share_keys = True  # running for good: one of the fleet
         poll = conf.OUTBOX_POLL_SECONDS if poll_seconds is None else poll_seconds
         with _waiter(self.using) as wait:
             while not stop.is_set():
