@@ -22,7 +22,7 @@ from django_idempotency.exceptions import (
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers import OutboxMessage, Publisher, PublisherSet, resolve_route
-from django_idempotency.publishers.amqp import AMQPPublisher
+from django_idempotency.publishers.amqp import AMQPPublisher, Confirms
 from django_idempotency.publishers.celery import CeleryPublisher
 from django_idempotency.publishers.log import LoggingPublisher
 from django_idempotency.publishers.memory import MemoryPublisher
@@ -200,11 +200,43 @@ def test_celery_publisher_sends_a_batch_in_order_through_one_producer(amqp_url):
     assert [m.headers["id"] for m in received] == [str(m.event_id) for m in batch]
 
 
-def test_celery_publisher_fails_a_whole_batch_when_the_broker_is_unreachable():
+def test_celery_publisher_with_confirms_sends_the_batch_then_awaits_its_confirms(amqp_url):
+    """With ``confirm_publish`` on RabbitMQ the batch is sent whole on a channel that does not
+    wait per message, then each task gets its own verdict: a queue that refuses publishes past
+    its length nacks the rest of the batch, and only those fail."""
+    from celery import Celery
+
+    app = Celery("confirm-test", set_as_current=False, broker=amqp_url)
+    app.conf.broker_transport_options = {"confirm_publish": True}
+    name = f"q-{uuid.uuid4().hex}"
+    capped = Queue(
+        name,
+        routing_key=name,
+        queue_arguments={"x-max-length": 2, "x-overflow": "reject-publish"},
+    )
+    publisher = CeleryPublisher(app=app, task="tests.testapp.tasks.record_effect", queue=capped)
+    try:
+        results = publisher.publish_many([message(payload={"n": n}) for n in range(4)])
+        channel = publisher._producer.channel
+        assert "basic_publish" not in vars(channel)  # not py-amqp's wait-per-message publish
+    finally:
+        publisher.close()
+        with app.connection_for_write() as connection:
+            Queue(name)(connection.default_channel).delete()
+        app.close()
+    assert results[:2] == [None, None]
+    assert [str(error) for error in results[2:]] == [
+        "the broker refused the message (basic.nack)"
+    ] * 2
+
+
+@pytest.mark.parametrize("confirm_publish", [False, True])
+def test_celery_publisher_fails_a_whole_batch_when_the_broker_is_unreachable(confirm_publish):
     from celery import Celery
 
     app = Celery("unreachable", set_as_current=False, broker="amqp://guest:guest@127.0.0.1:1//")
     app.conf.broker_connection_timeout = 1
+    app.conf.broker_transport_options = {"confirm_publish": confirm_publish}
     results = CeleryPublisher(app=app).publish_many([message(), message()])
     assert [type(result) for result in results] == [BrokerUnavailable, BrokerUnavailable]
 
@@ -589,19 +621,32 @@ def test_amqp_keeps_no_confirm_state_between_batches_and_connections(rabbit):
     publisher = AMQPPublisher(url=rabbit["url"], exchange=rabbit["exchange"])
     for _ in range(2):
         assert publisher.publish_many([message(), message(), message()]) == [None] * 3
-        assert publisher._pending == set() and publisher._settled == {}
+        confirms = publisher._confirms
+        assert confirms is not None and confirms.pending == set() and confirms.settled == {}
         publisher.close()  # the next batch reconnects, and delivery tags restart at 1
     assert len(rabbit["drain"](6)) == 6
 
 
 def test_amqp_confirms_settle_only_awaited_tags():
+    class Channel:
+        def __init__(self):
+            self.events = {"basic_ack": set(), "basic_nack": set()}
+
+        def confirm_select(self):
+            pass
+
+    channel = Channel()
+    confirms = Confirms(channel)
+    assert [confirms.sent() for _ in range(5)] == [1, 2, 3, 4, 5]
+    confirms.pending = {3, 4, 5}
+    (on_ack,), (on_nack,) = channel.events["basic_ack"], channel.events["basic_nack"]
+    on_ack(4, True)  # "everything up to 4": only 3 and 4 were awaited
+    on_nack(5, False)
+    on_ack(9, False)  # not awaited: ignored
+    assert confirms.settled == {3: True, 4: True, 5: False}
+    assert confirms.pending == set()
     publisher = AMQPPublisher(url="amqp://unused//", exchange="x")
-    publisher._pending = {3, 4, 5}
-    publisher._on_ack(4, True)  # "everything up to 4": only 3 and 4 were awaited
-    publisher._on_nack(5, False)
-    publisher._on_ack(9, False)  # not awaited: ignored
-    assert publisher._settled == {3: True, 4: True, 5: False}
-    assert publisher._pending == set()
+    publisher._confirms = confirms
     assert isinstance(publisher._outcome(5, message()), PublishError)
     assert publisher._outcome(4, message()) is None
     assert "no publisher confirm" in str(publisher._outcome(7, message()))

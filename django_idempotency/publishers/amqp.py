@@ -19,7 +19,7 @@ from django_idempotency.exceptions import (
 )
 from django_idempotency.publishers.base import OutboxMessage, Publisher, to_json
 
-__all__ = ["AMQPPublisher", "PERSISTENT"]
+__all__ = ["AMQPPublisher", "Confirms", "PERSISTENT"]
 
 PERSISTENT = 2
 
@@ -29,6 +29,61 @@ def _kombu() -> Any:
     import kombu
 
     return kombu
+
+
+class Confirms:
+    """The publisher confirms of one channel: a delivery tag per message sent, the broker's
+    verdicts noted as its acks and nacks arrive, and a batch's awaited together.
+
+    Tags restart at 1 on a new channel, so a new channel needs a new ``Confirms``. Only awaited
+    tags are recorded, so a late or "multiple" ack never piles up entries.
+    """
+
+    def __init__(self, channel: Any) -> None:
+        channel.confirm_select()
+        channel.events["basic_ack"].add(self._on_ack)
+        channel.events["basic_nack"].add(self._on_nack)
+        self._next_tag = 0
+        self.pending: set[int] = set()
+        self.settled: dict[int, bool] = {}
+
+    def sent(self) -> int:
+        """The tag of the message just published on the channel."""
+        self._next_tag += 1
+        self.pending.add(self._next_tag)
+        return self._next_tag
+
+    def _settle(self, delivery_tag: int, multiple: bool, ok: bool) -> None:
+        if multiple:
+            tags = [tag for tag in self.pending if tag <= delivery_tag]
+        else:
+            tags = [delivery_tag] if delivery_tag in self.pending else []
+        for tag in tags:
+            self.pending.discard(tag)
+            self.settled[tag] = ok
+
+    def _on_ack(self, delivery_tag: int, multiple: bool) -> None:
+        self._settle(delivery_tag, multiple, True)
+
+    def _on_nack(self, delivery_tag: int, multiple: bool) -> None:
+        self._settle(delivery_tag, multiple, False)
+
+    def wait(self, connection: Any, tags: Sequence[int], timeout: float) -> None:
+        """Read the broker's answers until each of ``tags`` has one, or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while any(tag in self.pending for tag in tags):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                connection.drain_events(timeout=remaining)
+            except TimeoutError:
+                return
+
+    def verdict(self, tag: int) -> bool | None:
+        """True (ack), False (nack) or None (no answer: a failure too), forgetting the tag."""
+        self.pending.discard(tag)
+        return self.settled.pop(tag, None)
 
 
 class AMQPPublisher(Publisher):
@@ -61,11 +116,7 @@ class AMQPPublisher(Publisher):
         self.connect_timeout = connect_timeout
         self._connection: Any = None
         self._channel: Any = None
-        self._next_tag = 0
-        # Delivery tags awaiting a confirm, and the verdicts of those that got one. Only
-        # awaited tags are recorded, so a late or "multiple" ack never piles up entries.
-        self._pending: set[int] = set()
-        self._settled: dict[int, bool] = {}
+        self._confirms: Confirms | None = None
         self._returned: dict[str, str] = {}
 
     # --- connection ---------------------------------------------------------------------------
@@ -76,9 +127,7 @@ class AMQPPublisher(Publisher):
         try:
             connection.connect()
             channel = connection.channel()
-            channel.confirm_select()
-            channel.events["basic_ack"].add(self._on_ack)
-            channel.events["basic_nack"].add(self._on_nack)
+            confirms = Confirms(channel)
             channel.events["basic_return"].add(self._on_return)
             if self.declare:
                 kombu.Exchange(self.exchange, type=self.exchange_type, durable=True).declare(
@@ -88,9 +137,7 @@ class AMQPPublisher(Publisher):
             connection.close()
             raise
         # Tags restart at 1 on a new channel: forget everything about the old one.
-        self._connection, self._channel, self._next_tag = connection, channel, 0
-        self._pending.clear()
-        self._settled.clear()
+        self._connection, self._channel, self._confirms = connection, channel, confirms
         self._returned.clear()
 
     def close(self) -> None:
@@ -100,22 +147,7 @@ class AMQPPublisher(Publisher):
             with contextlib.suppress(Exception):
                 connection.close()
 
-    # --- confirms -----------------------------------------------------------------------------
-
-    def _settle(self, delivery_tag: int, multiple: bool, ok: bool) -> None:
-        if multiple:
-            tags = [tag for tag in self._pending if tag <= delivery_tag]
-        else:
-            tags = [delivery_tag] if delivery_tag in self._pending else []
-        for tag in tags:
-            self._pending.discard(tag)
-            self._settled[tag] = ok
-
-    def _on_ack(self, delivery_tag: int, multiple: bool) -> None:
-        self._settle(delivery_tag, multiple, True)
-
-    def _on_nack(self, delivery_tag: int, multiple: bool) -> None:
-        self._settle(delivery_tag, multiple, False)
+    # --- returns ------------------------------------------------------------------------------
 
     def _on_return(self, exc: Exception, exchange: str, routing_key: str, message: Any) -> None:
         # RabbitMQ sends basic.return before the basic.ack of the same message, so the ack that
@@ -178,25 +210,19 @@ class AMQPPublisher(Publisher):
                 routing_key=message.topic,
                 mandatory=self.mandatory,
             )
-            self._next_tag += 1
-            self._pending.add(self._next_tag)
-            sent.append((self._next_tag, message))
+            sent.append((self._confirms_of_channel().sent(), message))
         return sent
 
+    def _confirms_of_channel(self) -> Confirms:
+        assert self._confirms is not None, "publish_many connects first"
+        return self._confirms
+
     def _await_confirms(self, sent: list[tuple[int, OutboxMessage]]) -> None:
-        deadline = time.monotonic() + self.confirm_timeout
-        while any(tag in self._pending for tag, _ in sent):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            try:
-                self._connection.drain_events(timeout=remaining)
-            except TimeoutError:
-                return
+        tags = [tag for tag, _ in sent]
+        self._confirms_of_channel().wait(self._connection, tags, self.confirm_timeout)
 
     def _outcome(self, tag: int, message: OutboxMessage) -> BaseException | None:
-        self._pending.discard(tag)  # a confirm still missing now counts as a failure
-        ok = self._settled.pop(tag, None)
+        ok = self._confirms_of_channel().verdict(tag)  # no answer by now counts as a failure
         returned = self._returned.pop(str(message.event_id), None)
         if returned is not None:
             return PublishError(returned)
