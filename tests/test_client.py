@@ -317,22 +317,27 @@ def test_live_a_lost_answer_is_retried_with_the_same_key_and_replayed(live) -> N
     assert Widget.objects.filter(name="lost-answer").count() == 1
 
 
+def first_request(live_server: Any, key: str, answers: list[httpx.Response]) -> threading.Thread:
+    """The first request for ``key``, by a plain client, in a thread of its own (started)."""
+
+    def post() -> None:
+        try:
+            with httpx.Client(base_url=live_server.url, timeout=60) as plain:
+                headers = {"Idempotency-Key": key}
+                answers.append(plain.post("/api/widget/", json={"name": "busy"}, headers=headers))
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread
+
+
 @pytest.mark.django_db(transaction=True)
 def test_live_a_409_is_retried_after_its_retry_after(live, live_server, gate) -> None:
     started, release = gate("busy")
     first_answer: list[httpx.Response] = []
     key = "live-409"
-
-    def first() -> None:
-        try:
-            with httpx.Client(base_url=live_server.url, timeout=60) as plain:
-                headers = {"Idempotency-Key": key}
-                first_answer.append(
-                    plain.post("/api/widget/", json={"name": "busy"}, headers=headers)
-                )
-        finally:
-            connection.close()
-
     waits: list[float] = []
 
     def sleep(seconds: float) -> None:
@@ -341,12 +346,34 @@ def test_live_a_409_is_retried_after_its_retry_after(live, live_server, gate) ->
         release.set()
         thread.join(60)
 
-    client = live(sleep=sleep)
-    thread = threading.Thread(target=first)
-    thread.start()
+    # Not asking to wait: the server would hold the retry (attach) instead of answering 409.
+    client = live(sleep=sleep, policy=RetryPolicy(prefer_wait=None))
+    thread = first_request(live_server, key, first_answer)
     assert started.wait(30)
     response = client.post("/api/widget/", key=key, json={"name": "busy"})
     assert len(waits) == 1 and waits[0] >= 1  # the 409's Retry-After (seconds left on the lease)
+    assert response.status_code == 201
+    assert response.headers["Idempotent-Replay"] == "true"
+    assert response.content == first_answer[0].content
+    assert Widget.objects.filter(name="busy").count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_live_a_retry_that_asks_to_wait_attaches_to_the_first_request(
+    live, live_server, gate
+) -> None:
+    """The client's ``Prefer: wait``: the server holds the retry until the first request has
+    answered, and the retry gets that answer, with no 409 and no sleep on the client."""
+    started, release = gate("busy")
+    first_answer: list[httpx.Response] = []
+    waits: list[float] = []
+    client = live(sleep=waits.append)
+    thread = first_request(live_server, "live-attach", first_answer)
+    assert started.wait(30)
+    threading.Timer(0.3, release.set).start()
+    response = client.post("/api/widget/", key="live-attach", json={"name": "busy"})
+    thread.join(60)
+    assert waits == []
     assert response.status_code == 201
     assert response.headers["Idempotent-Replay"] == "true"
     assert response.content == first_answer[0].content
