@@ -18,7 +18,7 @@ VENV_DJANGO6 := .venv-django6
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 DJANGO52 := django>=5.2,<5.3
 DJANGO6 := django>=6.0,<7
-PYTEST := python -m pytest -p no:cacheprovider
+PYTEST := python -m pytest -p no:cacheprovider --durations=15
 COVERAGE_FLOOR ?= 90
 # The demo: where it listens, and the short leases that let the tour's crash recover quickly
 # (a key held by the killed request; outbox events claimed by a relay in the killed process).
