@@ -120,6 +120,7 @@ E015 = "django_idempotency.E015"  # CREDENTIAL_HEADERS is not a list of header n
 E016 = "django_idempotency.E016"  # an ATTACH_*_WAIT_SECONDS setting is not a number >= 0
 E017 = "django_idempotency.E017"  # ATTACH_MAX_WAITERS is not an integer >= 0
 E018 = "django_idempotency.E018"  # ATTACH_POLL_SECONDS is not a positive number
+E019 = "django_idempotency.E019"  # HANDOFF_HOLD_SECONDS is not a positive number
 W001 = "django_idempotency.W001"  # unknown key in IDEMPOTENCY
 W002 = "django_idempotency.W002"  # STORED_RESPONSE_HEADERS lists a header never stored
 W003 = "django_idempotency.W003"  # SQLite without IMMEDIATE transactions
@@ -904,6 +905,13 @@ SETTINGS_CHECKS: tuple[Check, ...] = (
         _bad_numbers("ATTACH_POLL_SECONDS"),
         "IDEMPOTENCY['ATTACH_POLL_SECONDS'] must be a positive number of seconds, not {value}.",
         "Remove it to use the default, {default!r}.",
+    ),
+    Check(
+        E019,
+        _bad_numbers("HANDOFF_HOLD_SECONDS"),
+        "IDEMPOTENCY['HANDOFF_HOLD_SECONDS'] must be a positive number of seconds, not {value}.",
+        "It is how long a worker holds a handed-off key; remove it to use the default, "
+        "{default!r}.",
     ),
 )
 

@@ -62,6 +62,9 @@ DEFAULTS: dict[str, Any] = {
     "ATTACH_MAX_WAIT_SECONDS": 10,
     "ATTACH_MAX_WAITERS": 100,
     "ATTACH_POLL_SECONDS": 0.01,
+    # 202 for long operations: how long a worker holds a handed-off key before a retry of the
+    # request may take it over (the queue's worst delay plus the work's own time).
+    "HANDOFF_HOLD_SECONDS": 3600,
     # Requests whose credentials Django's own middleware does not turn into request.user.
     "CREDENTIAL_HEADERS": ("Authorization",),
     "CREDENTIAL_SCOPE": "digest",
@@ -302,6 +305,10 @@ class IdempotencySettings:
     @property
     def ATTACH_MAX_WAIT_SECONDS(self) -> float:
         return self.number("ATTACH_MAX_WAIT_SECONDS")
+
+    @property
+    def HANDOFF_HOLD_SECONDS(self) -> float:
+        return self.number("HANDOFF_HOLD_SECONDS")
 
     @property
     def ATTACH_MAX_WAITERS(self) -> int:

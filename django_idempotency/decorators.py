@@ -33,6 +33,7 @@ def idempotent(
     heartbeat: bool | None = ...,
     max_body: BodyLimit = ...,
     wait: float | None = ...,
+    long_running: bool = ...,
 ) -> Callable[[ViewFunc], ViewFunc]: ...
 
 
@@ -44,6 +45,7 @@ def idempotent(
     heartbeat: bool | None = None,
     max_body: BodyLimit = DJANGO_LIMIT,
     wait: float | None = None,
+    long_running: bool = False,
 ) -> Any:
     """Make a function view idempotent for ``methods``.
 
@@ -62,6 +64,10 @@ def idempotent(
     ``wait``: seconds a duplicate of a request still in flight waits for its answer instead of
     getting 409 at once, when it sends no ``Prefer: wait`` (None: the setting
     ``ATTACH_DEFAULT_WAIT_SECONDS``, 0 by default); see ``docs/howto/attach.md``.
+
+    ``long_running``: the view hands its work to a worker with ``hand_off()`` and answers 202
+    (``docs/howto/long-running.md``); a request without a key is then refused 400 whatever
+    ``KEY_REQUIRED`` says.
     """
     options = lifecycle.Options(
         methods=frozenset(method.upper() for method in methods),
@@ -69,6 +75,7 @@ def idempotent(
         heartbeat=heartbeat,
         max_body=max_body,
         wait=wait,
+        long_running=long_running,
     )
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -60,6 +60,9 @@ class IdempotencyMixin(_Base):
     #: Seconds a duplicate of a request in flight waits for its answer instead of a 409, when
     #: it sends no ``Prefer: wait`` (None: ``ATTACH_DEFAULT_WAIT_SECONDS``, 0 by default).
     idempotency_wait: float | None = None
+    #: The view hands its work to a worker with ``hand_off()`` and answers 202: a request
+    #: without a key is refused 400 whatever ``KEY_REQUIRED`` says.
+    idempotency_long_running: bool = False
 
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
@@ -92,6 +95,7 @@ class IdempotencyMixin(_Base):
             heartbeat=self.idempotency_heartbeat,
             max_body=self.idempotency_max_body,
             wait=self.idempotency_wait,
+            long_running=self.idempotency_long_running,
         )
 
     # --- the door ------------------------------------------------------------------------------

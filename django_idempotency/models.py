@@ -54,7 +54,8 @@ class IdempotencyRecord(models.Model):
         choices=RecordStatus.choices,
         default=RecordStatus.PROCESSING,
         help_text=_(
-            "PROCESSING while a request holds the lease, COMPLETED once its response is stored."
+            "PROCESSING while a request holds the lease, COMPLETED once its response is stored, "
+            "ACCEPTED while a worker holds it for a request that answered 202."
         ),
     )
     owner_token = models.UUIDField(

@@ -14,6 +14,7 @@ from django.utils import timezone
 from django_idempotency.core import statemachine
 
 __all__ = [
+    "ACCEPTED",
     "COMPLETED",
     "FailedMessageQuerySet",
     "IdempotencyRecordQuerySet",
@@ -50,29 +51,37 @@ if TYPE_CHECKING:
 class RecordStatus(models.TextChoices):
     PROCESSING = statemachine.PROCESSING, "Processing"
     COMPLETED = statemachine.COMPLETED, "Completed"
+    ACCEPTED = statemachine.ACCEPTED, "Accepted (handed to a worker)"
 
 
 PROCESSING = RecordStatus.PROCESSING
 COMPLETED = RecordStatus.COMPLETED
+ACCEPTED = RecordStatus.ACCEPTED
 
 
 # The rules of core/statemachine.py as filters; tests/test_statemachine.py holds them equal.
 
 
 def lease_running_q(now: datetime) -> Q:
-    """``statemachine.lease_running``: PROCESSING with a lease that has not run out."""
-    return Q(status=PROCESSING, lease_expires_at__isnull=False, lease_expires_at__gt=now)
+    """``statemachine.lease_running``: PROCESSING or ACCEPTED with a lease that has not run
+    out."""
+    return Q(status__in=statemachine.HELD, lease_expires_at__isnull=False, lease_expires_at__gt=now)
 
 
 def lease_expired_q(now: datetime) -> Q:
-    """PROCESSING, and its lease has run out: the request died or overran (a "stuck" key)."""
-    return Q(status=PROCESSING) & (Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=now))
+    """PROCESSING or ACCEPTED, and its lease has run out: the request (or its worker) died or
+    overran (a "stuck" key)."""
+    return Q(status__in=statemachine.HELD) & (
+        Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=now)
+    )
 
 
 def expired_q(now: datetime) -> Q:
     """``statemachine.is_expired``: past TTL, and not a request whose lease still runs."""
     return Q(expires_at__lte=now) & (
-        ~Q(status=PROCESSING) | Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=now)
+        ~Q(status__in=statemachine.HELD)
+        | Q(lease_expires_at__isnull=True)
+        | Q(lease_expires_at__lte=now)
     )
 
 
@@ -96,7 +105,7 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
         return self.filter(lease_expired_q(now or timezone.now()))
 
     def lease_active(self, now: datetime | None = None) -> IdempotencyRecordQuerySet:
-        return self.filter(status=PROCESSING, lease_expires_at__gt=now or timezone.now())
+        return self.filter(lease_running_q(now or timezone.now()))
 
     def expired(self, now: datetime | None = None) -> IdempotencyRecordQuerySet:
         """Records past their TTL: claims treat them as absent, the sweep deletes them."""

@@ -26,6 +26,7 @@ __all__ = [
     "publish_failed",
     "request_completed",
     "request_conflicted",
+    "request_handed_off",
     "response_replayed",
     "rows_swept",
 ]
@@ -51,6 +52,10 @@ lease_lost = Signal()
 
 #: A response was stored. kwargs: ``scope``, ``key``, ``status``, ``retained``.
 request_completed = Signal()
+
+#: A request answered 202 and handed its work to a worker (``hand_off``); ``request_completed``
+#: follows when the worker stores the final response. kwargs: ``scope``, ``key``, ``status``.
+request_handed_off = Signal()
 
 #: A key was released so it can be used again: after a failure (``reason`` ``"exception"`` or
 #: ``"not_stored"``) or by an operator in the admin (``"admin"``). kwargs: ``scope``, ``key``,

@@ -205,6 +205,10 @@ SCENARIOS: dict[str, tuple[Scenario, Scenario]] = {
         lambda p: p.idempotency(ATTACH_POLL_SECONDS=0),
         lambda p: p.idempotency(ATTACH_POLL_SECONDS="0.05"),
     ),
+    checks.E019: (
+        lambda p: p.idempotency(HANDOFF_HOLD_SECONDS=-1),
+        lambda p: p.idempotency(HANDOFF_HOLD_SECONDS="900"),
+    ),
     checks.W003: (
         lambda p: p.database(ENGINE="django.db.backends.sqlite3", OPTIONS={}),
         lambda p: p.database(

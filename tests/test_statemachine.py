@@ -14,7 +14,9 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from django_idempotency.core.statemachine import (
+    ACCEPTED,
     COMPLETED,
+    HELD,
     PROCESSING,
     RecordState,
     Verdict,
@@ -40,7 +42,7 @@ offsets = st.sampled_from([-90_000, -100, -31, -2, 2, 31, 100, 90_000])
 
 @st.composite
 def records(draw: st.DrawFn, now: datetime = NOW) -> RecordState:
-    status = draw(st.sampled_from([PROCESSING, COMPLETED]))
+    status = draw(st.sampled_from([PROCESSING, COMPLETED, ACCEPTED]))
     lease = None if status == COMPLETED else now + timedelta(seconds=draw(offsets))
     return RecordState(
         status=status,
@@ -57,18 +59,25 @@ def test_every_combination_has_the_designed_verdict():
     """DESIGN.md's table, row by row, over every status, lease, expiry and fingerprint."""
     past, future = NOW - timedelta(seconds=5), NOW + timedelta(seconds=5)
     for status, lease, expiry, fingerprint, owner_gone in itertools.product(
-        [PROCESSING, COMPLETED], [None, past, future], [past, future], [MINE, OTHER], [False, True]
+        [PROCESSING, COMPLETED, ACCEPTED],
+        [None, past, future],
+        [past, future],
+        [MINE, OTHER],
+        [False, True],
     ):
         if status == COMPLETED and lease is not None:
             continue  # a completed record has no lease
         record = RecordState(status, fingerprint, lease, expiry)
-        running = status == PROCESSING and lease == future
+        running = status in (PROCESSING, ACCEPTED) and lease == future
         if expiry == past and not running:
             expected = Verdict.CLAIM  # absent: even another request may use the key
         elif fingerprint != MINE:
             expected = Verdict.MISMATCH
         elif status == COMPLETED:
             expected = Verdict.REPLAY
+        elif running and status == ACCEPTED:
+            # A worker holds it: replay the 202 (a worker's lease is never cut short).
+            expected = Verdict.HANDED_OFF
         elif running:
             # A running lease is only cut short when its owner's session is gone.
             expected = Verdict.TAKE_OVER_DEAD_OWNER if owner_gone else Verdict.CONFLICT
@@ -82,7 +91,8 @@ def test_every_combination_has_the_designed_verdict():
 def test_a_running_lease_is_never_expired_nor_taken_over(record: RecordState):
     if lease_running(record.status, record.lease_expires_at, NOW):
         assert not is_expired(record, NOW)
-        assert judge(record, record.fingerprint, NOW) is Verdict.CONFLICT
+        expected = Verdict.HANDED_OFF if record.status == ACCEPTED else Verdict.CONFLICT
+        assert judge(record, record.fingerprint, NOW) is expected
 
 
 @given(seconds=st.floats(min_value=-1e6, max_value=1e6, allow_nan=False))
@@ -122,7 +132,7 @@ def test_the_querysets_select_what_the_rules_say(rows: list[RecordState]):
         lambda r: lease_running(r.status, r.lease_expires_at, NOW)
     )
     assert selected(lease_expired_q(NOW)) == by_rule(
-        lambda r: r.status == PROCESSING and not lease_running(r.status, r.lease_expires_at, NOW)
+        lambda r: r.status in HELD and not lease_running(r.status, r.lease_expires_at, NOW)
     )
     assert selected(stale_q(NOW, MINE) & ~expired_q(NOW)) == by_rule(
         lambda r: judge(r, MINE, NOW) is Verdict.TAKE_OVER
@@ -147,8 +157,8 @@ def test_a_claim_decides_what_the_rules_say(claim_path, data):
         scope=ident.scope, key=ident.key, fingerprint=record.fingerprint, status=record.status,
         owner_token=uuid.uuid4(), lease_expires_at=record.lease_expires_at, method="POST",
         path="/", created_at=now, expires_at=record.expires_at, attempts=3,
-        response_status=201 if record.status == COMPLETED else None,
-        response_body=b"stored" if record.status == COMPLETED else None,
+        response_status=None if record.status == PROCESSING else 201,
+        response_body=None if record.status == PROCESSING else b"stored",
     )  # fmt: skip
     # Nobody holds the record's owner lock (it was written here, not claimed): where owners hold
     # locks, a running lease of a request that is gone is taken over at once.
@@ -159,6 +169,7 @@ def test_a_claim_decides_what_the_rules_say(claim_path, data):
         Verdict.TAKE_OVER: Proceed,
         Verdict.TAKE_OVER_DEAD_OWNER: Proceed,
         Verdict.REPLAY: Replay,
+        Verdict.HANDED_OFF: Replay,
         Verdict.CONFLICT: Conflict,
         Verdict.MISMATCH: Mismatch,
     }[verdict]
@@ -168,3 +179,4 @@ def test_a_claim_decides_what_the_rules_say(claim_path, data):
         assert decision.lease.attempt == (4 if taken_over else 1)
     if isinstance(decision, Replay):
         assert decision.response.body == b"stored"
+        assert decision.handed_off == (verdict is Verdict.HANDED_OFF)

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 __all__ = [
+    "ACCEPTED",
     "COMPLETED",
+    "HELD",
     "PROCESSING",
     "RecordState",
     "Verdict",
@@ -33,6 +35,11 @@ __all__ = [
 PROCESSING = "PROCESSING"
 #: The response is stored; retries replay it until the record expires.
 COMPLETED = "COMPLETED"
+#: The request handed its work to a worker and answered 202 (stored, replayed to retries); the
+#: worker holds the key, fenced by the same owner token, until it stores the final response.
+ACCEPTED = "ACCEPTED"
+#: The statuses in which somebody holds the key under a lease: the request, or its worker.
+HELD = (PROCESSING, ACCEPTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +64,9 @@ class Verdict(enum.Enum):
     TAKE_OVER_DEAD_OWNER = "take_over_dead_owner"
     #: COMPLETED by the same request: answer with the stored response.
     REPLAY = "replay"
+    #: The same request was handed to a worker that still holds the key: answer with the
+    #: stored 202 (or wait for the worker's final response, like a duplicate in flight).
+    HANDED_OFF = "handed_off"
     #: Another request holds a running lease on the key: 409, retry after it.
     CONFLICT = "conflict"
     #: The key was used for a different request: 422.
@@ -64,8 +74,9 @@ class Verdict(enum.Enum):
 
 
 def lease_running(status: str, lease_expires_at: datetime | None, now: datetime) -> bool:
-    """A request holds the key right now: PROCESSING with a lease that has not run out."""
-    return status == PROCESSING and lease_expires_at is not None and lease_expires_at > now
+    """A request, or the worker it handed off to, holds the key right now: PROCESSING or
+    ACCEPTED with a lease that has not run out."""
+    return status in HELD and lease_expires_at is not None and lease_expires_at > now
 
 
 def is_expired(record: RecordState, now: datetime) -> bool:
@@ -93,6 +104,9 @@ def judge(
     if record.status == COMPLETED:
         return Verdict.REPLAY
     if lease_running(record.status, record.lease_expires_at, now):
+        if record.status == ACCEPTED:
+            # A worker's lease is never cut short: it holds no session lock to tell by.
+            return Verdict.HANDED_OFF
         return Verdict.TAKE_OVER_DEAD_OWNER if owner_gone else Verdict.CONFLICT
     return Verdict.TAKE_OVER
 

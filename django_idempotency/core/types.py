@@ -97,6 +97,9 @@ class Replay:
     """The key completed for this same request: answer with its stored response."""
 
     response: StoredResponse
+    #: The stored response is the 202 of a request handed to a worker that still holds the
+    #: key (ACCEPTED): a duplicate that may wait waits for the worker's final response.
+    handed_off: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,15 +125,12 @@ def claim_statement(
     def col(name: str) -> str:
         return f"{table}.{column(name)}"
 
+    held = f"{col('status')} IN ('PROCESSING', 'ACCEPTED')"
     lease_running = (
-        f"({col('status')} = 'PROCESSING' AND {col('lease_expires_at')} IS NOT NULL "
-        f"AND {col('lease_expires_at')} > {NOW})"
+        f"({held} AND {col('lease_expires_at')} IS NOT NULL AND {col('lease_expires_at')} > {NOW})"
     )
     expired = f"({col('expires_at')} <= {NOW} AND NOT {lease_running})"
-    stale = (
-        f"({col('status')} = 'PROCESSING' AND NOT {lease_running} "
-        f"AND {col('fingerprint')} = %(fingerprint)s)"
-    )
+    stale = f"({held} AND NOT {lease_running} AND {col('fingerprint')} = %(fingerprint)s)"
     updated = [name for name in names if name not in ("scope", "key", "attempts", "created_at")]
     assignments = [f"{column(name)} = {_value(name)}" for name in updated]
     # A takeover continues the same logical request: its attempt count and first claim time
@@ -146,7 +143,7 @@ def claim_statement(
     )
     key = f"{col('scope')} = %(scope)s AND {col('key')} = %(key)s"
     row = ", ".join(f"{table}.{name}" for name in returned) if returned else f"{table}.*"
-    held = HOLD_OWNER_LOCK if owner_lock else "false"
+    lock_held = HOLD_OWNER_LOCK if owner_lock else "false"
     # Evaluated only for a row the claim wrote: a read-only answer commits nothing anyway.
     claimed = (
         "set_config('synchronous_commit', 'off', true) IS NOT NULL"
@@ -164,8 +161,8 @@ def claim_statement(
         f"UPDATE {table} SET {', '.join(assignments)} "
         f"WHERE {key} AND ({expired} OR {stale}) "
         f"RETURNING {row}, {claimed} AS claimed) "
-        f"SELECT *, {NOW} AS database_now, {held} AS owner_lock FROM inserted UNION ALL "
-        f"SELECT *, {NOW} AS database_now, {held} AS owner_lock FROM reclaimed UNION ALL "
+        f"SELECT *, {NOW} AS database_now, {lock_held} AS owner_lock FROM inserted UNION ALL "
+        f"SELECT *, {NOW} AS database_now, {lock_held} AS owner_lock FROM reclaimed UNION ALL "
         f"SELECT {row}, false AS claimed, {NOW} AS database_now, false AS owner_lock "
         f"FROM {table} "
         f"WHERE {key} AND NOT EXISTS (SELECT 1 FROM inserted) "

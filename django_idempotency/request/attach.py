@@ -12,8 +12,9 @@ Waking costs one query per tick for the whole process, never one per waiter:
   the lifecycle after the commit; a dict lookup when nobody waits).
 * One daemon thread per process, started with the first waiter and gone a second after the
   last, asks the records' database every ``ATTACH_POLL_SECONDS`` which of all the awaited keys
-  are still running (PROCESSING with a running lease), in one statement per database, and wakes
-  the waiters of the others: completed, released, or whose lease ran out. It closes its
+  are still running (PROCESSING, or ACCEPTED by a worker, with a running lease), in one
+  statement per database, and wakes the waiters of the others: completed, released, or whose
+  lease ran out. It closes its
   connection when it stops, and a database error costs it one tick, never the waiters: a waiter
   whose time runs out claims again anyway.
 """
@@ -36,7 +37,7 @@ from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponseBase
 
 from django_idempotency.conf import DEFAULTS, conf
-from django_idempotency.core.statemachine import PROCESSING
+from django_idempotency.core.statemachine import HELD
 from django_idempotency.core.types import Identity
 from django_idempotency.exceptions import IdempotencyConfigurationError
 from django_idempotency.models import IdempotencyRecord
@@ -322,7 +323,7 @@ def still_running(using: str, pairs: list[tuple[str, str]]) -> set[tuple[str, st
         named |= Q(scope=scope, key=key)
     rows = (
         IdempotencyRecord.objects.using(using)
-        .filter(named, status=PROCESSING, lease_expires_at__gt=Now())
+        .filter(named, status__in=HELD, lease_expires_at__gt=Now())
         .values_list("scope", "key")
     )
     return {(str(scope), str(key)) for scope, key in rows}

@@ -37,6 +37,8 @@ __all__ = [
     "attached",
     "completed",
     "fast_path_failed",
+    "hand_off_skipped",
+    "handed_off",
     "instrumented",
     "lease_lost",
     "log_fields",
@@ -96,6 +98,17 @@ def attached(identity: Identity, decision: Decision) -> None:
 
 def completed(lease: Lease, stored: StoredResponse) -> None:
     _send(signals.request_completed, lease.identity, status=stored.status, retained=stored.retained)
+
+
+def handed_off(lease: Lease, stored: StoredResponse) -> None:
+    """A request answered 202 and handed its key to a worker (ACCEPTED)."""
+    _info("idempotency request handed off", lease.identity, "handed_off", status=stored.status)
+    _send(signals.request_handed_off, lease.identity, status=stored.status)
+
+
+def hand_off_skipped(identity: Identity, outcome: str) -> None:
+    """A delivery of handed-off work found the key done or no longer its own: nothing ran."""
+    _info("idempotency handed-off work skipped", identity, "hand_off_skipped", outcome=outcome)
 
 
 def released(identity: Identity, reason: str) -> None:
@@ -209,7 +222,7 @@ def _outcome(step: str, result: Any) -> str:
             return "conflicted"
         case Mismatch():
             return "mismatched"
-    return {"complete": "completed", "replay": "replayed"}.get(step, "ok")
+    return {"complete": "completed", "replay": "replayed", "accept": "accepted"}.get(step, "ok")
 
 
 def _failure(exc: BaseException) -> str:

@@ -21,10 +21,17 @@ The rules a request meets, whichever door it came through:
 * A duplicate of a request in flight gets 409 with ``Retry-After``, unless it may wait
   (``Prefer: wait=N``, or ``Options.wait``; ``attach.py``): then it waits, holding no
   connection, until the first request is done or its time runs out, and claims once more.
+* A view may hand its work to a worker (``handoff.hand_off``, which enqueues the work through
+  the outbox in the view's transaction and answers 202): its 202 is stored in that same
+  transaction and the record becomes ACCEPTED, held by the worker under the same owner token.
+  Duplicates replay the 202 (or wait for the final response, as above). The worker runs in a
+  transaction that first takes the key up (:func:`finish_handed_off`) and stores the final
+  response before it commits, so a redelivered task finds it done and never runs twice.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection
@@ -39,6 +46,7 @@ from django.http import HttpRequest, HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 
 from django_idempotency.conf import GUARDED_METHODS, conf
+from django_idempotency.core.statemachine import ACCEPTED, COMPLETED
 from django_idempotency.core.types import (
     Conflict,
     Decision,
@@ -73,14 +81,18 @@ from django_idempotency.request.responses import replay as replay_response
 from django_idempotency.request.scopes import resolve_scope
 
 __all__ = [
+    "HANDED_OFF",
     "UNAVAILABLE_ERRORS",
     "Attaching",
+    "HandOff",
+    "HandOffOutcome",
     "Options",
     "DEFAULT_OPTIONS",
     "admit",
     "atomic_requests",
     "claim",
     "default_should_store",
+    "finish_handed_off",
     "guards",
     "identify",
     "opt_out_of_atomic_requests",
@@ -131,9 +143,22 @@ class Options:
     #: Seconds a duplicate of a request in flight waits for its answer instead of a 409, when
     #: it sends no ``Prefer: wait`` (None: ``ATTACH_DEFAULT_WAIT_SECONDS``, 0 by default).
     wait: float | None = None
+    #: The view hands its work to a worker (``handoff.hand_off``) and answers 202: it needs a
+    #: key whatever ``KEY_REQUIRED`` says, since the worker is fenced by the key's owner token.
+    long_running: bool = False
 
 
 DEFAULT_OPTIONS = Options()
+
+#: The attribute ``handoff.hand_off`` sets on its 202 response (a :class:`HandOff`).
+HANDED_OFF = "_idempotency_hand_off"
+
+
+@dataclass(frozen=True, slots=True)
+class HandOff:
+    """A 202 that hands the key to a worker, which then holds it for ``hold_seconds``."""
+
+    hold_seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,11 +180,12 @@ def guards(request: HttpRequest, options: Options) -> bool:
     return request.method in options.methods and getattr(request, "idempotency", None) is None
 
 
-def read_key(request: HttpRequest) -> str | None:
-    """The request's key; ``None`` when it sent none and none is required (400s otherwise)."""
+def read_key(request: HttpRequest, *, required: bool = False) -> str | None:
+    """The request's key; ``None`` when it sent none and none is required (``required`` or
+    ``KEY_REQUIRED``; 400s otherwise)."""
     raw = request.headers.get(conf.HEADER)
     if raw is None:
-        if conf.KEY_REQUIRED:
+        if required or conf.KEY_REQUIRED:
             raise IdempotencyKeyMissing(f"This endpoint requires an {conf.HEADER} header.")
         return None
     return parse_key(raw)
@@ -194,12 +220,16 @@ def _admit(
 ) -> Decision | Attaching | None:
     """:func:`admit`; with ``detach``, a duplicate that may wait is handed back registered
     (:class:`Attaching`) instead of waiting in this thread."""
-    key = read_key(request)
+    key = read_key(request, required=options.long_running)
     if key is None:
         return None
     identity = identify(request, key, scope=scope(), fingerprint=fingerprint())
     decision = claim(identity)
-    if not isinstance(decision, Conflict):
+    # A request in flight, or handed to a worker that is still at it: a duplicate may wait.
+    in_flight = isinstance(decision, Conflict) or (
+        isinstance(decision, Replay) and decision.handed_off
+    )
+    if not in_flight:
         return decision
     waiter = attach.enlist(
         request, identity, store.database_alias(), attach.patience(request, options.wait)
@@ -317,7 +347,11 @@ def run(
             if not options.should_store(response):
                 raise _NotStored(response, "not_stored")
             stored = capture(response)
-            _complete(lease, stored)
+            hand_off: HandOff | None = getattr(response, HANDED_OFF, None)
+            if hand_off is not None:
+                _accept(lease, stored, hand_off.hold_seconds)
+            else:
+                _complete(lease, stored)
             completed_at = time.monotonic()
     except _NotStored as not_stored:
         release(lease, not_stored.reason)
@@ -332,20 +366,36 @@ def run(
     except BaseException:
         release(lease, "exception")
         raise
-    events.completed(lease, stored)
-    if cache.enabled():
-        # The copy expires with the record, which was given its TTL at the commit just done.
-        ttl = conf.TTL_SECONDS - (time.monotonic() - completed_at)
-        cache.remember(lease.identity, stored, ttl)
+    if hand_off is not None:
+        # No Redis copy of a 202: the worker's final response replaces it.
+        events.handed_off(lease, stored)
+    else:
+        _remember(lease, stored, completed_at)
     # After the commit (and the Redis copy): a woken duplicate's claim must find the response.
     attach.notify(lease.using, lease.identity)
     return _first_time(response)
+
+
+def _remember(lease: Lease, stored: StoredResponse, completed_at: float) -> None:
+    """Announce a completion just committed, and keep its Redis copy."""
+    events.completed(lease, stored)
+    if cache.enabled():
+        # The copy expires with the record, which was given its TTL at the commit just done.
+        ttl = (lease.ttl_seconds or conf.TTL_SECONDS) - (time.monotonic() - completed_at)
+        cache.remember(lease.identity, stored, ttl)
 
 
 @events.instrumented("complete")
 def _complete(lease: Lease, stored: StoredResponse) -> None:
     """Store the response; :class:`LeaseLost` (inside the span) when the key was taken over."""
     if not store.complete(lease, stored):
+        raise LeaseLost("the lease was taken over by another request")
+
+
+@events.instrumented("accept")
+def _accept(lease: Lease, stored: StoredResponse, hold_seconds: float) -> None:
+    """Store the 202 and hand the key to the worker; :class:`LeaseLost` when taken over."""
+    if not store.accept(lease, stored, hold_seconds):
         raise LeaseLost("the lease was taken over by another request")
 
 
@@ -367,6 +417,53 @@ def release(lease: Lease, reason: str) -> None:
 def _first_time(response: HttpResponseBase) -> HttpResponseBase:
     response[conf.REPLAY_HEADER] = "false"
     return response
+
+
+# --- the worker of a handed-off request --------------------------------------------------------
+
+
+class HandOffOutcome(enum.Enum):
+    """What became of one delivery of a handed-off request's work."""
+
+    #: The work ran and its final response is stored.
+    COMPLETED = "completed"
+    #: An earlier delivery completed it: nothing ran (a redelivery, a relay sending twice).
+    ALREADY_COMPLETED = "already_completed"
+    #: The key is no longer this hand-off's (its hold ran out and a retry took it over, or an
+    #: operator released it): nothing ran; the new owner does the work.
+    NOT_OURS = "not_ours"
+
+
+def finish_handed_off(
+    lease: Lease, work: Callable[[], HttpResponseBase]
+) -> tuple[HandOffOutcome, HttpResponseBase | None]:
+    """Run a handed-off request's work once, and store its final response with it.
+
+    One transaction: take the key up (locking its row, so a second delivery of the same work
+    waits for this one and then finds it done), run ``work``, store what it returns (replayed
+    to retries from then on), commit. ``lease`` carries the key and the owner token the
+    request handed over, and the worker's lease length (``lease_seconds``). If ``work``
+    raises, everything rolls back and the key stays ACCEPTED: the task's own retry runs it
+    again, and once the hold runs out a retry of the request takes the key over.
+    """
+    with transaction.atomic(using=lease.using):
+        if not store.resume(lease):
+            status = store.status_of(lease)
+            outcome = (
+                HandOffOutcome.ALREADY_COMPLETED if status == COMPLETED else HandOffOutcome.NOT_OURS
+            )
+            events.hand_off_skipped(lease.identity, outcome.value)
+            return outcome, None
+        response = work()
+        if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
+            response.render()
+        stored = capture(response)
+        if not store.complete(lease, stored, held_as=ACCEPTED):
+            raise LeaseLost("the handed-off key changed hands while its row was locked")
+        completed_at = time.monotonic()
+    _remember(lease, stored, completed_at)
+    attach.notify(lease.using, lease.identity)
+    return HandOffOutcome.COMPLETED, response
 
 
 # --- ATOMIC_REQUESTS ---------------------------------------------------------------------------

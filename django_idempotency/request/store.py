@@ -33,6 +33,7 @@ from django.db.models import Field
 
 from django_idempotency.conf import conf
 from django_idempotency.core.statemachine import (
+    ACCEPTED,
     COMPLETED,
     PROCESSING,
     RecordState,
@@ -60,12 +61,15 @@ from django_idempotency.request import presence
 __all__ = [
     "CLAIM_ROUNDS",
     "KeyState",
+    "accept",
     "claim",
     "complete",
     "database_alias",
     "extend",
     "read",
     "release",
+    "resume",
+    "status_of",
 ]
 
 #: A claim that keeps losing races to the same record gives up after this many rounds and
@@ -160,6 +164,8 @@ def _decision(
         verdict = judge(state, identity.fingerprint, now, owner_gone=True)
     if verdict is Verdict.REPLAY:
         return Replay(_stored(record))
+    if verdict is Verdict.HANDED_OFF:
+        return Replay(_stored(record), handed_off=True)
     if verdict is Verdict.CONFLICT:
         return Conflict(retry_after=seconds_left(record.lease_expires_at, now))
     if verdict is Verdict.MISMATCH:
@@ -519,25 +525,56 @@ def read(scope: str, key: str) -> KeyState | None:
 # --- complete, extend, release -----------------------------------------------------------------
 
 
-def complete(lease: Lease, stored: StoredResponse) -> bool:
+def complete(lease: Lease, stored: StoredResponse, *, held_as: str = PROCESSING) -> bool:
     """Store the response, inside the business transaction, if this request still owns the key.
 
-    False when another request took the key over: the caller must roll back.
+    False when another request took the key over: the caller must roll back. ``held_as`` is
+    the status the owner holds the key in: ACCEPTED for the worker of a handed-off request.
     """
-    values = {
-        "status": COMPLETED,
+    return _update_owned(lease, _response_values(COMPLETED, stored), "complete", held_as) == 1
+
+
+def accept(lease: Lease, stored: StoredResponse, hold_seconds: float) -> bool:
+    """Hand the key to a worker, inside the transaction that enqueued its work: store the 202
+    (retries replay it), keep the owner token (the worker's fence), and hold the key for
+    ``hold_seconds``. False when another request took the key over: the caller rolls back."""
+    values = _response_values(ACCEPTED, stored)
+    return _update_owned(lease, values, "accept", PROCESSING, hold_seconds=hold_seconds) == 1
+
+
+def resume(lease: Lease) -> bool:
+    """The worker of a handed-off request takes up the key, inside its own transaction: the
+    row is locked until it commits (so a second delivery waits, then finds it done) and held
+    for another ``lease.lease_seconds``. False when the key is not ACCEPTED under this token."""
+    return _update_owned(lease, {}, "extend", ACCEPTED) == 1
+
+
+def status_of(lease: Lease) -> str | None:
+    """The status of the key if ``lease``'s owner token still names it, else None."""
+    found = (
+        IdempotencyRecord.objects.using(lease.using)
+        .for_key(lease.identity.scope, lease.identity.key)
+        .filter(owner_token=lease.owner_token)
+        .values_list("status", flat=True)
+        .first()
+    )
+    return None if found is None else str(found)
+
+
+def _response_values(status: str, stored: StoredResponse) -> dict[str, Any]:
+    return {
+        "status": status,
         "response_status": stored.status,
         "response_headers": [[name, value] for name, value in stored.headers],
         "response_body": stored.body,
         "response_retained": stored.retained,
     }
-    return _update_owned(lease, values, completed=True) == 1
 
 
 def extend(lease: Lease) -> bool:
     """Push the lease forward by its length (``LEASE_SECONDS`` unless the claim chose one),
     by the database's time. False once it is not ours."""
-    return _update_owned(lease, {}, completed=False) == 1
+    return _update_owned(lease, {}, "extend", PROCESSING) == 1
 
 
 def release(lease: Lease) -> bool:
@@ -576,29 +613,44 @@ def release(lease: Lease) -> bool:
     return bool(deleted)
 
 
-def _update_owned(lease: Lease, values: dict[str, Any], *, completed: bool) -> int:
-    """``UPDATE`` the record if this request still owns it (PROCESSING, our owner token).
+def _update_owned(
+    lease: Lease,
+    values: dict[str, Any],
+    change: str,
+    held_as: str,
+    *,
+    hold_seconds: float | None = None,
+) -> int:
+    """``UPDATE`` the record if this owner still holds it (``held_as``, our owner token).
 
+    ``change``: ``"complete"`` (completed now, kept its TTL), ``"accept"`` (held
+    ``hold_seconds`` more, kept its TTL after that) or ``"extend"`` (the lease pushed forward).
     One hand-built statement, cached per connection: it runs on every request, and the ORM's
     ``update()`` spends most of its time compiling the same query again.
     """
     connection = connections[lease.using]
     params = [_field(name).get_db_prep_save(value, connection) for name, value in values.items()]
     terms = _Terms(lease.lease_seconds, lease.ttl_seconds)
-    _, later = dialect(lease.using).now_plus(
-        terms.ttl_seconds if completed else terms.lease_seconds
-    )
-    params += later
+    sql_dialect = dialect(lease.using)
+    if change == "complete":
+        params += sql_dialect.now_plus(terms.ttl_seconds)[1]
+    elif change == "accept":
+        assert hold_seconds is not None
+        params += sql_dialect.now_plus(hold_seconds)[1]
+        params += sql_dialect.now_plus(hold_seconds + terms.ttl_seconds)[1]
+    else:
+        params += sql_dialect.now_plus(terms.lease_seconds)[1]
     params += [
         lease.identity.scope,
         lease.identity.key,
         _field("owner_token").get_db_prep_save(lease.owner_token, connection),
-        PROCESSING,
+        held_as,
     ]
-    release_lock = completed and lease.owner_lock
+    # The owner lock is the request's: let go once the key is completed or handed to a worker.
+    release_lock = change != "extend" and lease.owner_lock
     postgresql = connection.vendor == "postgresql"
     with prepared.cursor(connection) as cursor:
-        sql = _update_owned_sql(lease.using, tuple(values), completed)
+        sql = _update_owned_sql(lease.using, tuple(values), change)
         if release_lock and postgresql:
             # One round trip: the completion, and the owner lock let go.
             cursor.execute(
@@ -614,7 +666,7 @@ def _update_owned(lease: Lease, values: dict[str, Any], *, completed: bool) -> i
 
 
 @functools.lru_cache(maxsize=32)
-def _update_owned_sql(using: str, names: tuple[str, ...], completed: bool) -> str:
+def _update_owned_sql(using: str, names: tuple[str, ...], change: str) -> str:
     sql_dialect = dialect(using)
     quote = connections[using].ops.quote_name
 
@@ -623,12 +675,18 @@ def _update_owned_sql(using: str, names: tuple[str, ...], completed: bool) -> st
 
     assignments = [f"{column(name)} = %s" for name in names]
     later, _ = sql_dialect.now_plus(0)
-    if completed:
+    if change == "complete":
         # Completed now, by the database's clock; kept TTL from now; no lease any more.
         assignments += [
             f"{column('completed_at')} = {sql_dialect.NOW}",
             f"{column('expires_at')} = {later}",
             f"{column('lease_expires_at')} = NULL",
+        ]
+    elif change == "accept":
+        # Held by the worker for its own lease; kept TTL after that, like a PROCESSING record.
+        assignments += [
+            f"{column('lease_expires_at')} = {later}",
+            f"{column('expires_at')} = {later}",
         ]
     else:
         assignments.append(f"{column('lease_expires_at')} = {later}")

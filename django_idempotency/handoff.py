@@ -1,0 +1,195 @@
+"""202 Accepted for long operations: a view hands its work to a worker under the request's key.
+
+The view validates the request, then calls :func:`hand_off` with a topic (a Celery task's name,
+routed by ``OUTBOX_PUBLISHERS``) and the work's keyword arguments, and returns the 202 it gets
+back. The work goes out through the outbox, in the view's own transaction, so it is enqueued
+exactly when the request's writes commit; the lifecycle stores the 202 and hands the key to the
+worker in that same transaction (``request/lifecycle.py``). The worker's task, decorated with
+:func:`handed_off`, runs the work once and stores its final response under the same key and
+owner token: from then on retries of the request, and the key's status URL, return it.
+
+::
+
+    @api_view(["POST"])
+    @idempotent(long_running=True)
+    def create_payout(request):
+        serializer = PayoutSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        return hand_off(request, "payouts.send", **serializer.validated_data)
+
+    @shared_task(acks_late=True, reject_on_worker_lost=True)
+    @handed_off
+    def send_payout(**payout):
+        ...  # the effect, in the transaction that stores the final response
+        return JsonResponse(result, status=201)
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, TypeVar, cast
+
+from asgiref.sync import sync_to_async
+from django.core.exceptions import ImproperlyConfigured
+from django.core.serializers.json import DjangoJSONEncoder
+from django.http import HttpRequest, HttpResponseBase, JsonResponse
+from django.urls import NoReverseMatch, reverse
+
+from django_idempotency.conf import conf
+from django_idempotency.core.types import Identity, Lease
+from django_idempotency.exceptions import IdempotencyKeyMissing
+from django_idempotency.outbox.publish import publish
+from django_idempotency.request.lifecycle import (
+    HANDED_OFF,
+    HandOff,
+    HandOffOutcome,
+    finish_handed_off,
+)
+
+__all__ = ["HAND_OFF_ARGUMENT", "HandOffOutcome", "ahand_off", "hand_off", "handed_off"]
+
+#: The keyword argument that carries the key and its owner token to the worker's task;
+#: :func:`handed_off` takes it off before the task's own function runs.
+HAND_OFF_ARGUMENT = "idempotency_hand_off"
+#: The URL name of the key's status view (``include("django_idempotency.urls")``).
+STATUS_URL_NAME = "idempotency-key-status"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def hand_off(
+    request: HttpRequest,
+    topic: str,
+    /,
+    *,
+    hold_seconds: float | None = None,
+    status_url: str | None = None,
+    **work: Any,
+) -> JsonResponse:
+    """Enqueue ``work`` for a worker under this request's key, and return the 202 to answer.
+
+    Call it inside a guarded view (``@idempotent``, ``IdempotencyMixin`` or the middleware),
+    which must return the response it gets. ``topic`` routes the work (``OUTBOX_PUBLISHERS``;
+    with ``CeleryPublisher`` it is the task's name by default) and ``work`` becomes the task's
+    keyword arguments, JSON as for any outbox payload. The worker holds the key for
+    ``hold_seconds`` (``HANDOFF_HOLD_SECONDS`` by default). The 202's ``Location`` is the key's
+    status URL (the ``idempotency-key-status`` route, or ``status_url``).
+
+    Raises :class:`IdempotencyKeyMissing` (400) when the request carries no key: without one
+    there is nothing to fence the worker with.
+    """
+    lease = getattr(request, "idempotency", None)
+    if not isinstance(lease, Lease):
+        raise IdempotencyKeyMissing(
+            f"This operation runs in the background and requires an {conf.HEADER} header."
+        )
+    hold = conf.HANDOFF_HOLD_SECONDS if hold_seconds is None else float(hold_seconds)
+    location = status_url if status_url is not None else _status_url(lease.identity.key)
+    publish(topic, {**work, HAND_OFF_ARGUMENT: _ticket(lease, hold)}, using=lease.using)
+    response = JsonResponse(
+        {"key": lease.identity.key, "status": "processing", "status_url": location},
+        status=202,
+    )
+    response["Location"] = location
+    setattr(response, HANDED_OFF, HandOff(hold_seconds=hold))
+    return response
+
+
+async def ahand_off(
+    request: HttpRequest,
+    topic: str,
+    /,
+    *,
+    hold_seconds: float | None = None,
+    status_url: str | None = None,
+    **work: Any,
+) -> JsonResponse:
+    """:func:`hand_off` for an async view: it runs in the thread of the view's transaction."""
+    call = functools.partial(
+        hand_off, request, topic, hold_seconds=hold_seconds, status_url=status_url, **work
+    )
+    return await sync_to_async(call, thread_sensitive=True)()
+
+
+def handed_off(func: F) -> F:
+    """Make a task the worker of handed-off requests: each delivery runs ``func`` at most once
+    per key, in the transaction that stores its final response.
+
+    ``func`` gets the work's keyword arguments (and whatever else the task is called with, such
+    as a bound Celery task's ``self``) and returns the final response: a Django
+    ``HttpResponse`` (``JsonResponse(data, status=201)``), or any JSON value, answered 200. The
+    task returns what became of the delivery (:class:`HandOffOutcome`'s value): a redelivery of
+    completed work, or work whose key was taken over meanwhile, runs nothing. If ``func``
+    raises, nothing is stored and the exception propagates, for the task's own retries.
+    """
+
+    @functools.wraps(func)
+    def worker(*args: Any, **kwargs: Any) -> str:
+        ticket = kwargs.pop(HAND_OFF_ARGUMENT, None)
+        if not isinstance(ticket, dict):
+            raise TypeError(
+                f"{func.__qualname__} runs work handed off by hand_off(); it was called "
+                f"without its {HAND_OFF_ARGUMENT!r} argument."
+            )
+        lease = _lease(ticket)
+        outcome, _ = finish_handed_off(lease, lambda: _as_response(func(*args, **kwargs)))
+        return outcome.value
+
+    return cast("F", worker)
+
+
+def _status_url(key: str) -> str:
+    try:
+        return reverse(STATUS_URL_NAME, kwargs={"key": key})
+    except NoReverseMatch:
+        raise ImproperlyConfigured(
+            "hand_off() answers 202 with the key's status URL: include "
+            "django_idempotency.urls in your URLconf (docs/howto/status-by-key.md), or pass "
+            "status_url=."
+        ) from None
+
+
+def _ticket(lease: Lease, hold_seconds: float) -> dict[str, Any]:
+    """What the worker needs to take the key up: the key, its owner token, and the terms."""
+    identity = lease.identity
+    return {
+        "using": lease.using,
+        "scope": identity.scope,
+        "key": identity.key,
+        "fingerprint": identity.fingerprint,
+        "method": identity.method,
+        "path": identity.path,
+        "owner_token": str(lease.owner_token),
+        "attempt": lease.attempt,
+        "hold_seconds": hold_seconds,
+        "ttl_seconds": lease.ttl_seconds,
+    }
+
+
+def _lease(ticket: dict[str, Any]) -> Lease:
+    identity = Identity(
+        scope=ticket["scope"],
+        key=ticket["key"],
+        fingerprint=ticket["fingerprint"],
+        method=ticket["method"],
+        path=ticket["path"],
+    )
+    return Lease(
+        identity,
+        uuid.UUID(ticket["owner_token"]),
+        # Not known here and not needed: the worker's statements take the database's time.
+        datetime.max,
+        int(ticket["attempt"]),
+        ticket["using"],
+        lease_seconds=float(ticket["hold_seconds"]),
+        ttl_seconds=ticket["ttl_seconds"],
+    )
+
+
+def _as_response(result: Any) -> HttpResponseBase:
+    if isinstance(result, HttpResponseBase):
+        return result
+    return JsonResponse(result, safe=False, encoder=DjangoJSONEncoder)
