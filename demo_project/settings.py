@@ -11,6 +11,7 @@ With none set, the demo needs nothing but Python: SQLite, no Redis, no broker.
                        ``X-Demo-Fault`` header (``make demo`` turns it on for the tour).
 ``IDEMPOTENCY_LEASE_SECONDS`` / ``IDEMPOTENCY_TTL_SECONDS``  the lease and retention of keys.
 ``IDEMPOTENCY_RELAY_LEASE_SECONDS``  how long a relay holds the events it claimed.
+``DEMO_PAYOUT_SECONDS``  how long a payout (``POST /api/v1/payouts/``, 202) takes in the worker.
 """
 
 from __future__ import annotations
@@ -131,14 +132,17 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # sweeps expired keys, published events and old processed-message markers.
 CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE}
 
-# Each payment event goes to its ledger task. With a broker, CeleryPublisher sends it (the task
-# id is the event id) and the worker runs it; without one, the relay runs in the web process and
-# hands the event straight to the task (demo_project/payments/inprocess.py).
-LEDGER_TASKS = {
+# Each payment event goes to its ledger task, each payout to the task that sends it. With a
+# broker, CeleryPublisher sends it (the task id is the event id) and the worker runs it; without
+# one, the relay runs in the web process and hands the event straight to the task
+# (demo_project/payments/inprocess.py).
+TOPIC_TASKS = {
     "payment.completed": "demo_project.payments.tasks.record_payment",
     "payment.refunded": "demo_project.payments.tasks.record_refund",
+    # POST /api/v1/payouts/ hands each payout to this task under the request's key (202).
+    "payout.requested": "demo_project.payments.tasks.send_payout",
 }
-LEDGER_PUBLISHER: dict[str, Any] = (
+TASK_PUBLISHER: dict[str, Any] = (
     {
         "BACKEND": "django_idempotency.publishers.celery.CeleryPublisher",
         "OPTIONS": {"app": "demo_project.celery.app"},
@@ -147,9 +151,11 @@ LEDGER_PUBLISHER: dict[str, Any] = (
     else {"BACKEND": "demo_project.payments.inprocess.InProcessTaskPublisher", "OPTIONS": {}}
 )
 IDEMPOTENCY["OUTBOX_PUBLISHERS"] = {
-    topic: {**LEDGER_PUBLISHER, "OPTIONS": {**LEDGER_PUBLISHER["OPTIONS"], "task": task}}
-    for topic, task in LEDGER_TASKS.items()
+    topic: {**TASK_PUBLISHER, "OPTIONS": {**TASK_PUBLISHER["OPTIONS"], "task": task}}
+    for topic, task in TOPIC_TASKS.items()
 }
+#: How long a payout's bank transfer takes in the worker (POST /api/v1/payouts/).
+DEMO_PAYOUT_SECONDS = env.float("DEMO_PAYOUT_SECONDS", default=2.0)
 # Every topic the demo publishes has its route above, so no catch-all route is needed (the
 # check warns when there is none, since an unrouted topic fails publish()).
 SILENCED_SYSTEM_CHECKS = ["django_idempotency.W024"]

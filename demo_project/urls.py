@@ -10,6 +10,7 @@ from demo_project.payments.views import (
     DemoInfoView,
     LedgerEntryViewSet,
     PaymentViewSet,
+    PayoutView,
 )
 
 router = DefaultRouter()
@@ -20,6 +21,8 @@ router.register("ledger", LedgerEntryViewSet)
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/demo/", DemoInfoView.as_view(), name="demo-info"),
+    # 202 for a long operation: the payout is handed to a worker under the request's key.
+    path("api/v1/payouts/", PayoutView.as_view(), name="payout-list"),
     path("api/v1/", include(router.urls)),
     # GET /api/v1/idempotency-keys/<key> and .../response: a client's own keys, by key.
     path("api/v1/", include("django_idempotency.urls")),

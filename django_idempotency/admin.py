@@ -39,6 +39,7 @@ from django.utils.translation import gettext_lazy as _
 from django_idempotency import operations
 from django_idempotency.conf import conf
 from django_idempotency.core.failures import FINGERPRINT_LENGTH, normalise
+from django_idempotency.core.statemachine import HELD
 from django_idempotency.db import database_now
 from django_idempotency.inbox.operator import forget_failed_messages
 from django_idempotency.models import (
@@ -50,6 +51,7 @@ from django_idempotency.models import (
 from django_idempotency.operations import health
 from django_idempotency.operations.actions import ReleaseResult, release_records
 from django_idempotency.querysets import (
+    ACCEPTED,
     PROCESSING,
     FailedMessageQuerySet,
     OutboxEventQuerySet,
@@ -395,7 +397,7 @@ class IdempotencyRecordAdmin(OperationsAdmin):
         actions = self.get_actions(request)
         now = timezone.now()
         running = (
-            record.status == PROCESSING
+            record.status in HELD
             and record.lease_expires_at is not None
             and record.lease_expires_at > now
         )
@@ -444,6 +446,8 @@ class IdempotencyRecordAdmin(OperationsAdmin):
             return format_html('<strong class="idempotency-alert">{}</strong>', _("Stuck"))
         if record.status == PROCESSING:
             return gettext("Processing")
+        if record.status == ACCEPTED:
+            return gettext("Accepted · with a worker")
         return f"{gettext('Completed')} · {record.response_status}"
 
     @admin.display(description=_("age"), ordering="created_at")
@@ -452,7 +456,7 @@ class IdempotencyRecordAdmin(OperationsAdmin):
 
     @admin.display(description=_("lease left"), ordering="lease_expires_at")
     def lease_left(self, record: IdempotencyRecord) -> str:
-        if record.status != PROCESSING or record.lease_expires_at is None:
+        if record.status not in HELD or record.lease_expires_at is None:
             return "–"
         now = timezone.now()
         if record.lease_expires_at > now:
@@ -462,7 +466,7 @@ class IdempotencyRecordAdmin(OperationsAdmin):
     @staticmethod
     def is_stuck(record: IdempotencyRecord) -> bool:
         return (
-            record.status == PROCESSING
+            record.status in HELD
             and record.lease_expires_at is not None
             and record.lease_expires_at <= timezone.now()
         )

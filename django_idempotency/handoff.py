@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any, TypeVar, cast
+from typing import Any, ParamSpec
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
@@ -49,7 +49,14 @@ from django_idempotency.request.lifecycle import (
     finish_handed_off,
 )
 
-__all__ = ["HAND_OFF_ARGUMENT", "HandOffOutcome", "ahand_off", "hand_off", "handed_off"]
+__all__ = [
+    "HAND_OFF_ARGUMENT",
+    "HandOffOutcome",
+    "ahand_off",
+    "hand_off",
+    "handed_off",
+    "lease_of",
+]
 
 #: The keyword argument that carries the key and its owner token to the worker's task;
 #: :func:`handed_off` takes it off before the task's own function runs.
@@ -57,11 +64,11 @@ HAND_OFF_ARGUMENT = "idempotency_hand_off"
 #: The URL name of the key's status view (``include("django_idempotency.urls")``).
 STATUS_URL_NAME = "idempotency-key-status"
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
 
 
 def hand_off(
-    request: HttpRequest,
+    request: HttpRequest | Any,
     topic: str,
     /,
     *,
@@ -72,11 +79,12 @@ def hand_off(
     """Enqueue ``work`` for a worker under this request's key, and return the 202 to answer.
 
     Call it inside a guarded view (``@idempotent``, ``IdempotencyMixin`` or the middleware),
-    which must return the response it gets. ``topic`` routes the work (``OUTBOX_PUBLISHERS``;
-    with ``CeleryPublisher`` it is the task's name by default) and ``work`` becomes the task's
-    keyword arguments, JSON as for any outbox payload. The worker holds the key for
-    ``hold_seconds`` (``HANDOFF_HOLD_SECONDS`` by default). The 202's ``Location`` is the key's
-    status URL (the ``idempotency-key-status`` route, or ``status_url``).
+    which must return the response it gets; ``request`` is the view's (Django's or DRF's).
+    ``topic`` routes the work (``OUTBOX_PUBLISHERS``; with ``CeleryPublisher`` it is the task's
+    name by default) and ``work`` becomes the task's keyword arguments, JSON as for any outbox
+    payload. The worker holds the key for ``hold_seconds`` (``HANDOFF_HOLD_SECONDS`` by
+    default). The 202's ``Location`` is the key's status URL (the ``idempotency-key-status``
+    route, or ``status_url``).
 
     Raises :class:`IdempotencyKeyMissing` (400) when the request carries no key: without one
     there is nothing to fence the worker with.
@@ -99,7 +107,7 @@ def hand_off(
 
 
 async def ahand_off(
-    request: HttpRequest,
+    request: HttpRequest | Any,
     topic: str,
     /,
     *,
@@ -114,7 +122,7 @@ async def ahand_off(
     return await sync_to_async(call, thread_sensitive=True)()
 
 
-def handed_off(func: F) -> F:
+def handed_off(func: Callable[P, Any]) -> Callable[P, str]:
     """Make a task the worker of handed-off requests: each delivery runs ``func`` at most once
     per key, in the transaction that stores its final response.
 
@@ -127,7 +135,7 @@ def handed_off(func: F) -> F:
     """
 
     @functools.wraps(func)
-    def worker(*args: Any, **kwargs: Any) -> str:
+    def worker(*args: P.args, **kwargs: P.kwargs) -> str:
         ticket = kwargs.pop(HAND_OFF_ARGUMENT, None)
         if not isinstance(ticket, dict):
             raise TypeError(
@@ -138,7 +146,17 @@ def handed_off(func: F) -> F:
         outcome, _ = finish_handed_off(lease, lambda: _as_response(func(*args, **kwargs)))
         return outcome.value
 
-    return cast("F", worker)
+    return worker
+
+
+def lease_of(work: Mapping[str, Any]) -> Lease:
+    """The lease a task's keyword arguments carry (before :func:`handed_off` takes it off): for
+    ``derived_key()``, a stable key for a call to another service that the task makes before
+    its own transaction, the same for every delivery of the work."""
+    ticket = work.get(HAND_OFF_ARGUMENT)
+    if not isinstance(ticket, dict):
+        raise TypeError(f"these keyword arguments carry no {HAND_OFF_ARGUMENT!r}.")
+    return _lease(ticket)
 
 
 def _status_url(key: str) -> str:

@@ -242,9 +242,7 @@ def test_hand_off_without_a_key_behind_the_middleware_is_a_400(db):
 
 @pytest.mark.parametrize("notify", ["in_process", "poller"])
 @pytest.mark.parametrize("door", ["decorator", "decorator-async", "mixin"])
-def test_a_duplicate_that_may_wait_gets_the_workers_final_response(
-    door, notify, key, monkeypatch
-):
+def test_a_duplicate_that_may_wait_gets_the_workers_final_response(door, notify, key, monkeypatch):
     """Attached to the worker: woken by the completion in this process, or (as when the
     worker is another process) by the attach poller."""
     if notify == "poller":

@@ -7,10 +7,13 @@ when the change does. The ledger tasks (tasks.py) call ``post_to_ledger`` once p
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Mapping
 from decimal import Decimal
+from typing import Any
 
+from django.conf import settings
 from django.db.models import F
 from rest_framework.exceptions import ValidationError
 
@@ -134,3 +137,9 @@ def _move(amount: Decimal, source: Account, destination: Account) -> None:
                 raise ValidationError({"amount": [f"{source.name} has insufficient funds."]})
         else:
             Account.objects.filter(pk=destination.pk).update(balance=F("balance") + amount)
+
+
+def transfer_at_bank(reference: str, payout: Mapping[str, Any]) -> None:
+    """The demo's stand-in for a bank's API: it takes ``DEMO_PAYOUT_SECONDS``. A real bank
+    deduplicates on ``reference``, the same for every delivery of one payout."""
+    time.sleep(settings.DEMO_PAYOUT_SECONDS)

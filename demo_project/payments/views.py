@@ -5,6 +5,8 @@ from typing import Any
 
 from django.conf import settings
 from django.db.models import QuerySet
+from django.http import HttpResponse
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import exceptions, generics, mixins, serializers, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -19,6 +21,7 @@ from demo_project.payments.serializers import (
 )
 from django_idempotency.conf import conf
 from django_idempotency.drf import IdempotencyMixin
+from django_idempotency.handoff import hand_off
 
 
 class PaymentViewSet(
@@ -53,6 +56,46 @@ class PaymentViewSet(
 
     def get_serializer_context(self) -> dict[str, Any]:
         return {**super().get_serializer_context(), "fault": getattr(self, "fault", None)}
+
+
+class AcceptedSerializer(serializers.Serializer[dict[str, Any]]):
+    key = serializers.CharField(help_text="The request's Idempotency-Key.")
+    status = serializers.CharField(help_text="processing")
+    status_url = serializers.CharField(help_text="The key's status URL, also in Location.")
+
+
+class PayoutView(IdempotencyMixin, generics.GenericAPIView[Payment]):
+    """POST a payout: the body of a payment, the money moved by a worker a few seconds later.
+
+    The answer is 202 at once, with ``Location`` the key's status URL; the worker stores the
+    final answer (201 and the payment, as ``POST /api/v1/payments/`` gives it) under the same
+    key. A retry gets the 202 until then (or, with ``Prefer: wait=N``, waits for the final
+    answer), and the final answer after.
+    """
+
+    serializer_class = PaymentSerializer
+    idempotency_long_running = True
+
+    @extend_schema(
+        responses={
+            202: OpenApiResponse(AcceptedSerializer, description="Handed to the worker."),
+            201: OpenApiResponse(
+                PaymentSerializer, description="A retry, once the worker has paid it out."
+            ),
+        }
+    )
+    def post(self, request: Request) -> HttpResponse:
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        payout = serializer.validated_data
+        return hand_off(
+            request,
+            "payout.requested",
+            amount=str(payout["amount"]),
+            currency=payout["currency"],
+            source_account=payout["source_account"].name,
+            destination_account=payout["destination_account"].name,
+        )
 
 
 class AccountViewSet(viewsets.ReadOnlyModelViewSet[Account]):
@@ -95,6 +138,7 @@ class DemoInfoSerializer(serializers.Serializer[dict[str, Any]]):
     fast_path = serializers.BooleanField(help_text="Whether the Redis fast path is configured.")
     broker = serializers.BooleanField(help_text="Whether tasks go to a broker.")
     database = serializers.CharField(help_text="The database backend in use.")
+    payout_seconds = serializers.FloatField(help_text="How long a payout takes in the worker.")
 
 
 class DemoInfoView(generics.GenericAPIView[Any]):
@@ -110,5 +154,6 @@ class DemoInfoView(generics.GenericAPIView[Any]):
             "fast_path": conf.CACHE_ALIAS is not None,
             "broker": bool(settings.CELERY_BROKER_URL),
             "database": settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1],
+            "payout_seconds": settings.DEMO_PAYOUT_SECONDS,
         }
         return Response(self.get_serializer(info).data)

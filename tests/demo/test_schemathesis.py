@@ -62,4 +62,4 @@ def test_the_demo_meets_its_schema(fresh_demo: DemoServer, tmp_path: Path) -> No
     summary = output[output.find("=== SUMMARY") :] if "=== SUMMARY" in output else output
     print("\nschemathesis:\n" + summary)
     assert result.returncode == 0, output
-    assert "Selected: 11/11" in output
+    assert "Selected: 12/12" in output

@@ -62,10 +62,15 @@ def test_the_tour_runs_green_and_every_duplicate_leaves_the_balances_alone(
     assert "retried by the client" in result.stdout
     assert "the key is completed, with a Link to its stored response" in result.stdout
     assert "404 idempotency_key_not_found" in result.stdout
-    # Paid 25.00, 10.00 and 5.00 once each, whatever the duplicates, and refunded the 25.00.
+    # The payout: 202 at once, then a duplicate that waited for the worker got its 201.
+    assert "accepted at once (202), Location: the key's status URL" in result.stdout
+    assert "the duplicate attached: it waited for the worker and got the payout" in result.stdout
+    assert "the key is completed: the payout's answer is stored under it, once" in result.stdout
+    # Paid 25.00, 10.00, 5.00 and the 7.00 payout once each, whatever the duplicates, and
+    # refunded the 25.00.
     after = toured.balances()
-    assert after["acc_1"] == before["acc_1"] - Decimal("15.00")
-    assert after["acc_2"] == before["acc_2"] + Decimal("15.00")
+    assert after["acc_1"] == before["acc_1"] - Decimal("22.00")
+    assert after["acc_2"] == before["acc_2"] + Decimal("22.00")
     # The ledger, written by the consumer: one event per payment and one for the refund, each
     # with one debit and one credit. Nothing for the duplicates or for the crashed attempt.
     new = [entry for entry in ledger(toured, "acc_1") if entry["id"] not in seen]
@@ -73,9 +78,10 @@ def test_the_tour_runs_green_and_every_duplicate_leaves_the_balances_alone(
         ("payment.completed", "debit", "10.00"),
         ("payment.completed", "debit", "25.00"),
         ("payment.completed", "debit", "5.00"),
+        ("payment.completed", "debit", "7.00"),
         ("payment.refunded", "credit", "25.00"),
     ]
-    assert len({entry["event_id"] for entry in new}) == 4
+    assert len({entry["event_id"] for entry in new}) == 5
     for entry in new:
         pair = toured.client().ledger(entry["payment"])
         event = [e for e in pair if e["event_id"] == entry["event_id"]]

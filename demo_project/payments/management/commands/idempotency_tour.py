@@ -153,8 +153,9 @@ class Client:
 
 class Command(BaseCommand):
     help = (
-        "Play retries, a double submit, a reused key and a crash against a running demo server, "
-        "and check that every payment moved money and reached the ledger exactly once."
+        "Play retries, a double submit, a reused key, a crash and a payout handed to a worker "
+        "against a running demo server, and check that every payment moved money and reached "
+        "the ledger exactly once."
     )
     # Only HTTP: the server under tour may run with other settings than this process.
     requires_system_checks: list[str] = []
@@ -214,6 +215,7 @@ class Command(BaseCommand):
             self.payload_mismatch,
             self.missing_and_invalid_key,
             self.crash_mid_payment,
+            self.payout_handed_off,
             self.refund_and_retry,
             self.events_once,
         ]
@@ -413,6 +415,62 @@ class Command(BaseCommand):
         )
         if answer.status == 201:
             self.paid(answer, "5.00")
+
+    def payout_handed_off(self) -> None:
+        """A payout: 202 at once, a duplicate attaches, the worker completes it."""
+        key = self.key("payout")
+        accepted = self.client.request(
+            "POST", "/api/v1/payouts/", payment("7.00"), {"Idempotency-Key": key}
+        )
+        self.show("POST /payouts/ 7.00", accepted)
+        location = accepted.headers.get("location", "")
+        self.expect(
+            accepted.status == 202 and location.endswith(f"/idempotency-keys/{key}"),
+            "accepted at once (202), Location: the key's status URL",
+            "expected 202 with a Location",
+        )
+        status = self.client.request("GET", urlsplit(location).path[len(self.prefix) :])
+        self.show("GET Location", status)
+        body = status.body if isinstance(status.body, dict) else {}
+        self.expect(
+            status.status == 200 and body.get("status") in ("processing", "completed"),
+            f"the payout is {body.get('status')} (the worker takes "
+            f"{self.info['payout_seconds']:g} s)",
+            "expected 200 with a status",
+        )
+        # The client lost the 202 and asks again, willing to wait for the final answer.
+        wait = int(self.info["payout_seconds"]) + 8
+        attached = self.client.request(
+            "POST",
+            "/api/v1/payouts/",
+            payment("7.00"),
+            {"Idempotency-Key": key, "Prefer": f"wait={wait}"},
+        )
+        self.show(f"duplicate, Prefer: wait={wait}", attached)
+        self.expect(
+            attached.status == 201
+            and attached.replayed
+            and "preference-applied" in attached.headers,
+            "the duplicate attached: it waited for the worker and got the payout (201)",
+            "expected 201 replayed, with Preference-Applied",
+        )
+        final = self.client.request("GET", urlsplit(location).path[len(self.prefix) :])
+        final_body = final.body if isinstance(final.body, dict) else {}
+        self.show("GET Location", final)
+        self.expect(
+            final.status == 200
+            and final_body.get("status") == "completed"
+            and final_body.get("response_status") == 201,
+            "the key is completed: the payout's answer is stored under it, once",
+            "expected status completed with response 201",
+        )
+        if attached.status == 201:
+            self.paid(attached, "7.00")
+
+    @property
+    def prefix(self) -> str:
+        """The path the demo is served under (none for ``make demo``)."""
+        return self.client.parts.path.rstrip("/")
 
     def refund_and_retry(self) -> None:
         """A refund (PATCH), retried."""
