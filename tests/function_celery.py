@@ -1,5 +1,6 @@
-"""The Celery app and task of the worker processes ``tests/test_idempotent_function_celery.py``
-starts and kills: a task that is an ``@idempotent_function``, stacked under ``@app.task``.
+"""The Celery app and tasks of the worker processes ``tests/test_idempotent_function_celery.py``
+starts and kills: a task that is an ``@idempotent_function``, stacked under ``@app.task``, and
+one that does the work a view handed off (``@handed_off``, ``tests/test_handoff.py``).
 
 ``celery -A tests.function_celery worker`` consumes ``FN_CELERY_QUEUE`` on the broker in
 ``FN_AMQP_URL``, with the database named by ``TEST_DATABASE_NAME``. In ``FN_WORK_DIR`` the task
@@ -26,6 +27,7 @@ django.setup()
 
 from django_idempotency import idempotent_function  # noqa: E402
 from django_idempotency.exceptions import IdempotentCallInProgress  # noqa: E402
+from django_idempotency.handoff import handed_off  # noqa: E402
 from tests.testapp.models import Widget  # noqa: E402
 
 #: How long a held task waits at most: the test kills the worker long before.
@@ -92,11 +94,27 @@ def charge(self: Any, order_id: int, stage: str) -> dict[str, Any]:
     return {"order_id": order_id, "widget": widget.pk}
 
 
+@app.task(name="fn.handed_off", bind=True, acks_late=True, reject_on_worker_lost=True)
+@handed_off
+def make_widget(self: Any, name: str, fail: bool = False, hold_file: str = "") -> dict[str, Any]:
+    """Handed-off work (the payload of ``tests/testapp/handoff.py``'s views): a widget, in the
+    transaction that stores the final response; held there while the ``hold`` file exists."""
+    widget = Widget.objects.create(name=f"handoff-{name}", created_by="worker")
+    _note("effect", name=name)
+    _hold()
+    return {"widget": widget.pk}
+
+
 @task_postrun.connect
 def _returned(task: Any = None, retval: Any = None, kwargs: Any = None, **_: Any) -> None:
     """After the task returned (its transaction committed), before the acknowledgement; not
     after a retry (``retval`` is then the exception)."""
-    if getattr(task, "app", None) is not app or not isinstance(retval, dict):
+    if getattr(task, "app", None) is not app:
+        return
+    if isinstance(retval, str):  # a handed-off task's outcome
+        _note("outcome", retval=retval)
+        return
+    if not isinstance(retval, dict):
         return
     _note("result", retval=retval)
     if (kwargs or {}).get("stage") == "after_commit":

@@ -1,5 +1,5 @@
-"""``@idempotent_function`` under Celery: stacked under ``@app.task``, and a real worker killed
-mid-task whose message is redelivered to another worker.
+"""``@idempotent_function`` and ``@handed_off`` under Celery: stacked under ``@app.task``, and a
+real worker killed mid-task whose message is redelivered to another worker.
 
 The workers are real ``celery worker`` processes (``tests/function_celery.py``) on the shared
 RabbitMQ, each test with a queue of its own, deleted afterwards; they are SIGKILLed as a whole
@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 from django.db import connection
+from django.test import Client
 from kombu import Connection, Queue
 
-from django_idempotency.models import IdempotencyRecord
+from django_idempotency.models import IdempotencyRecord, OutboxEvent
 from django_idempotency.querysets import COMPLETED
 from tests.outbox_support import database_env
 from tests.reliability.outbox_helpers import Child, queue_depth, wait_until
@@ -149,4 +150,65 @@ def test_a_worker_killed_mid_task_and_redelivered_runs_the_effect_once(
             assert redelivered_after < LEASE_SECONDS, redelivered_after
     else:
         assert len(effects) == 1 and record.attempts == 1  # the redelivery replayed
+    assert queue_depth(amqp_url, queue) == 0
+
+
+@pytest.mark.urls("tests.handoff_urls")
+@pytest.mark.skipif(
+    connection.vendor != "postgresql",
+    reason="in the PostgreSQL pass: what the kill tests is the worker's transaction rolling "
+    "back and the redelivery taking the key up, which tests/test_handoff.py holds per backend",
+)
+def test_handed_off_work_killed_mid_run_and_redelivered_runs_once(
+    amqp_url: str, queue: str, tmp_path: Path
+):
+    """A view hands a widget to a worker (202); the worker is SIGKILLed inside the work's
+    transaction, after its write; the redelivery to another worker runs it again at once (the
+    key is still ACCEPTED under the same token: a worker's hold does not wait for a lease) and
+    stores the final response once."""
+    from tests.function_celery import make_app
+    from tests.testapp.handoff import DOORS
+
+    key = f"handoff-{uuid.uuid4().hex[:10]}"
+    accepted = Client().post(
+        DOORS["decorator"], {"name": key}, content_type="application/json",
+        HTTP_IDEMPOTENCY_KEY=key,
+    )  # fmt: skip
+    assert accepted.status_code == 202
+    payload = OutboxEvent.objects.get(topic="tests.make_widget").payload
+    (tmp_path / "hold").touch()
+    workers: list[Child] = []
+    sender = make_app(amqp_url, queue)
+    try:
+        workers.append(start_worker(amqp_url, queue, tmp_path, "doomed"))
+        # As the relay's CeleryPublisher sends it: the payload as the task's keyword arguments.
+        sender.send_task("fn.handed_off", kwargs=payload)
+        wait_until(lambda: notes(tmp_path, "effect"), timeout=60, what="the work to start")
+        workers[0].kill()
+        (tmp_path / "hold").unlink()
+        workers.append(start_worker(amqp_url, queue, tmp_path, "next"))
+        wait_until(lambda: notes(tmp_path, "outcome"), timeout=90, what="the redelivery")
+        assert workers[1].alive(), workers[1].tail()
+    except BaseException:
+        for worker in workers:
+            print(worker.tail())
+        raise
+    finally:
+        for worker in workers:
+            worker.terminate()
+            worker.close()
+        sender.close()
+
+    widgets = Widget.objects.filter(name=f"handoff-{key}")
+    assert widgets.count() == 1  # the killed run's write rolled back; the redelivery's stayed
+    assert [note["retval"] for note in notes(tmp_path, "outcome")] == ["completed"]
+    effects = notes(tmp_path, "effect")
+    assert len(effects) == 2 and effects[0]["pid"] != effects[1]["pid"]
+    record = IdempotencyRecord.objects.get(key=key)
+    assert record.status == COMPLETED and record.response_status == 200
+    replay = Client().post(
+        DOORS["decorator"], {"name": key}, content_type="application/json",
+        HTTP_IDEMPOTENCY_KEY=key,
+    )  # fmt: skip
+    assert replay.status_code == 200 and replay.json() == {"widget": widgets.get().pk}
     assert queue_depth(amqp_url, queue) == 0
