@@ -58,6 +58,16 @@ def record(key: str) -> IdempotencyRecord:
     return IdempotencyRecord.objects.get(key=key)
 
 
+@pytest.fixture(params=["records", "redis"])
+def store(request: Any, settings: Any) -> str:
+    """The records alone, and with the Redis copy of completed responses."""
+    if request.param == "redis":
+        from tests.test_cache import configure
+
+        configure(settings, request.getfixturevalue("redis_url"))
+    return str(request.param)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_runs() -> Iterator[None]:
     handoff.runs.clear()
@@ -98,7 +108,9 @@ def test_a_retry_while_the_worker_runs_replays_the_202_and_enqueues_nothing(door
 
 
 @pytest.mark.parametrize("door", DOORS)
-def test_the_worker_stores_the_final_response_that_retries_and_the_status_url_return(door, key):
+def test_the_worker_stores_the_final_response_that_retries_and_the_status_url_return(
+    door, key, store
+):
     post(door, key, name="w3")
     [work] = handed_off_work()
 
@@ -242,7 +254,9 @@ def test_hand_off_without_a_key_behind_the_middleware_is_a_400(db):
 
 @pytest.mark.parametrize("notify", ["in_process", "poller"])
 @pytest.mark.parametrize("door", ["decorator", "decorator-async", "mixin"])
-def test_a_duplicate_that_may_wait_gets_the_workers_final_response(door, notify, key, monkeypatch):
+def test_a_duplicate_that_may_wait_gets_the_workers_final_response(
+    door, notify, key, monkeypatch, store
+):
     """Attached to the worker: woken by the completion in this process, or (as when the
     worker is another process) by the attach poller."""
     if notify == "poller":
