@@ -77,6 +77,34 @@ def start_worker(amqp_url: str, queue: str, work: Path, name: str) -> Child:
     return worker
 
 
+class Workers:
+    """This test's worker processes, and the app it sends tasks with; at the end all are
+    stopped, and on a failure their last lines printed."""
+
+    def __init__(self, amqp_url: str, queue: str, work: Path) -> None:
+        from tests.function_celery import make_app
+
+        self.amqp_url, self.queue, self.work = amqp_url, queue, work
+        self.started: list[Child] = []
+        self.sender = make_app(amqp_url, queue)
+
+    def start(self, name: str) -> Child:
+        self.started.append(start_worker(self.amqp_url, self.queue, self.work, name))
+        return self.started[-1]
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is not None:
+            for worker in self.started:
+                print(worker.tail())
+        for worker in self.started:
+            worker.terminate()
+            worker.close()
+        self.sender.close()
+
+
 def consumers(amqp_url: str, queue: str) -> int:
     with Connection(amqp_url) as broker:
         try:
@@ -98,40 +126,27 @@ def test_a_worker_killed_mid_task_and_redelivered_runs_the_effect_once(
     write rolls back, the redelivery takes the dead worker's key over and runs the function
     again. ``after_commit``: killed after the commit, before the acknowledgement; the
     redelivery gets the stored result without running it."""
-    from tests.function_celery import make_app
-
     order_id = uuid.uuid4().int % 10**9
     (tmp_path / "hold").touch()
-    workers: list[Child] = []
-    sender = make_app(amqp_url, queue)
-    try:
-        workers.append(start_worker(amqp_url, queue, tmp_path, "doomed"))
-        sender.send_task("fn.charge", kwargs={"order_id": order_id, "stage": stage})
+    with Workers(amqp_url, queue, tmp_path) as workers:
+        doomed = workers.start("doomed")
+        workers.sender.send_task("fn.charge", kwargs={"order_id": order_id, "stage": stage})
         held = "effect" if stage == "before_commit" else "result"
         wait_until(lambda: notes(tmp_path, held), timeout=60, what="the task to reach its hold")
         committed = Widget.objects.filter(name=f"fn-order-{order_id}").count()
         assert committed == (1 if stage == "after_commit" else 0)
 
-        workers[0].kill()
+        doomed.kill()
         killed_at = time.monotonic()
         (tmp_path / "hold").unlink()
-        workers.append(start_worker(amqp_url, queue, tmp_path, "next"))
+        successor = workers.start("next")
         wait_until(
             lambda: len(notes(tmp_path, "result")) == (2 if stage == "after_commit" else 1),
             timeout=90,
             what="the redelivery's result",
         )
         redelivered_after = time.monotonic() - killed_at
-        assert workers[1].alive(), workers[1].tail()
-    except BaseException:
-        for worker in workers:
-            print(worker.tail())
-        raise
-    finally:
-        for worker in workers:
-            worker.terminate()
-            worker.close()
-        sender.close()
+        assert successor.alive(), successor.tail()
 
     widgets = Widget.objects.filter(name=f"fn-order-{order_id}")
     assert widgets.count() == 1  # the effect, once
@@ -166,7 +181,6 @@ def test_handed_off_work_killed_mid_run_and_redelivered_runs_once(
     transaction, after its write; the redelivery to another worker runs it again at once (the
     key is still ACCEPTED under the same token: a worker's hold does not wait for a lease) and
     stores the final response once."""
-    from tests.function_celery import make_app
     from tests.testapp.handoff import DOORS
 
     key = f"handoff-{uuid.uuid4().hex[:10]}"
@@ -177,27 +191,16 @@ def test_handed_off_work_killed_mid_run_and_redelivered_runs_once(
     assert accepted.status_code == 202
     payload = OutboxEvent.objects.get(topic="tests.make_widget").payload
     (tmp_path / "hold").touch()
-    workers: list[Child] = []
-    sender = make_app(amqp_url, queue)
-    try:
-        workers.append(start_worker(amqp_url, queue, tmp_path, "doomed"))
+    with Workers(amqp_url, queue, tmp_path) as workers:
+        doomed = workers.start("doomed")
         # As the relay's CeleryPublisher sends it: the payload as the task's keyword arguments.
-        sender.send_task("fn.handed_off", kwargs=payload)
+        workers.sender.send_task("fn.handed_off", kwargs=payload)
         wait_until(lambda: notes(tmp_path, "effect"), timeout=60, what="the work to start")
-        workers[0].kill()
+        doomed.kill()
         (tmp_path / "hold").unlink()
-        workers.append(start_worker(amqp_url, queue, tmp_path, "next"))
+        successor = workers.start("next")
         wait_until(lambda: notes(tmp_path, "outcome"), timeout=90, what="the redelivery")
-        assert workers[1].alive(), workers[1].tail()
-    except BaseException:
-        for worker in workers:
-            print(worker.tail())
-        raise
-    finally:
-        for worker in workers:
-            worker.terminate()
-            worker.close()
-        sender.close()
+        assert successor.alive(), successor.tail()
 
     widgets = Widget.objects.filter(name=f"handoff-{key}")
     assert widgets.count() == 1  # the killed run's write rolled back; the redelivery's stayed

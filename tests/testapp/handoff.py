@@ -64,19 +64,15 @@ def _invalid() -> HttpResponse:
 
 
 def middleware_view(request: HttpRequest) -> HttpResponse:
-    """Guarded by the middleware (``/doors/middleware/`` is in ``MIDDLEWARE_PATHS``)."""
+    """Guarded by the middleware (``/doors/middleware/`` is in ``MIDDLEWARE_PATHS``), and below
+    by ``@idempotent``."""
     data = _body(request)
     if data.get("invalid"):
         return _invalid()
     return hand_off(request, TOPIC, **_work(data))
 
 
-@idempotent(long_running=True)
-def decorated_view(request: HttpRequest) -> HttpResponse:
-    data = _body(request)
-    if data.get("invalid"):
-        return _invalid()
-    return hand_off(request, TOPIC, **_work(data))
+decorated_view = idempotent(long_running=True)(middleware_view)
 
 
 @idempotent(long_running=True)
