@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 
 from django_idempotency.core.statemachine import ACCEPTED, COMPLETED
@@ -299,6 +299,33 @@ def test_a_view_that_fails_after_handing_off_enqueues_nothing(key, monkeypatch):
     assert response.status_code == 500
     assert handed_off_work() == []
     assert not IdempotencyRecord.objects.filter(key=key).exists()
+
+
+def test_a_view_that_rolls_back_after_handing_off_answers_500_not_a_false_202(key, monkeypatch):
+    real = handoff.hand_off
+
+    def hand_off_then_roll_back(*args: Any, **kwargs: Any) -> Any:
+        response = real(*args, **kwargs)
+        transaction.set_rollback(True)
+        return response
+
+    monkeypatch.setattr(handoff, "hand_off", hand_off_then_roll_back)
+    response = post("decorator", key, name="w13")
+
+    assert response.status_code == 500
+    assert handed_off_work() == []
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+
+
+def test_a_202_is_stored_even_where_the_view_stores_nothing_else(key, idempotency_settings):
+    """``STORED_STATUS_CODES`` without 202: the hand-off's 202 is stored all the same, since
+    its work was enqueued with it."""
+    idempotency_settings(STORED_STATUS_CODES=[201])
+    response = post("decorator", key, name="w14")
+
+    assert response.status_code == 202
+    assert record(key).status == ACCEPTED
+    assert len(handed_off_work()) == 1
 
 
 def test_a_worker_called_without_its_ticket_says_so():

@@ -342,12 +342,19 @@ def run(
             response = call_view()
             if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
                 response.render()
+            hand_off: HandOff | None = getattr(response, HANDED_OFF, None)
             if any(connections[alias].needs_rollback for alias in aliases):
+                if hand_off is not None:
+                    # Its 202 would promise work that the rollback took back out of the outbox.
+                    raise RuntimeError(
+                        "The view handed its work off, then marked its transaction for "
+                        "rollback: nothing was enqueued, so its 202 cannot be answered."
+                    )
                 raise _NotStored(response, "rolled_back")
-            if not options.should_store(response):
+            # A hand-off's 202 is always stored: its work is enqueued in this transaction.
+            if hand_off is None and not options.should_store(response):
                 raise _NotStored(response, "not_stored")
             stored = capture(response)
-            hand_off: HandOff | None = getattr(response, HANDED_OFF, None)
             if hand_off is not None:
                 _accept(lease, stored, hand_off.hold_seconds)
             else:
