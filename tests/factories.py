@@ -16,7 +16,7 @@ from factory.django import DjangoModelFactory
 
 from django_idempotency.core.types import Identity
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
-from django_idempotency.querysets import COMPLETED, PROCESSING, OutboxStatus
+from django_idempotency.querysets import ACCEPTED, COMPLETED, PROCESSING, OutboxStatus
 
 
 def _ago(seconds: float):
@@ -24,7 +24,8 @@ def _ago(seconds: float):
 
 
 class IdempotencyRecordFactory(DjangoModelFactory):
-    """A COMPLETED record by default; traits ``stuck``, ``running`` and ``expired``."""
+    """A COMPLETED record by default; traits ``stuck``, ``running``, ``expired`` and
+    ``accepted``."""
 
     class Meta:
         model = IdempotencyRecord
@@ -47,6 +48,13 @@ class IdempotencyRecordFactory(DjangoModelFactory):
             completed_at=None,
         )
         expired = factory.Trait(created_at=_ago(3 * 86400), expires_at=_ago(3600))
+        #: Handed to a worker (a 202 stored), held for another ten minutes.
+        accepted = factory.Trait(
+            status=ACCEPTED,
+            lease_expires_at=_ago(-600),
+            response_status=202,
+            completed_at=None,
+        )
 
     scope = "user:1"
     key = factory.Sequence(lambda n: f"key-{n:05d}")

@@ -393,3 +393,19 @@ def test_registration_can_be_switched_off():
         if not admin.site.is_registered(IdempotencyRecord):
             importlib.reload(idempotency_admin)
     assert all(admin.site.is_registered(model) for model in models)
+
+
+def test_a_record_handed_to_a_worker_is_shown_held_and_released_only_by_force(superuser, released):
+    """ACCEPTED: its worker holds the key. The list says so; the plain release refuses it, as
+    it refuses a running lease; the page offers only the forced release."""
+    accepted = IdempotencyRecordFactory(key="with-worker", accepted=True)
+
+    html = superuser.get(changelist()).content.decode()
+    assert "Accepted · with a worker" in html
+    assert buttons(superuser.get(detail(accepted)).content.decode()) == ["force_release_keys"]
+    response = action(superuser, "release_keys", [accepted])
+    assert any(m.startswith("warning: Refused 1 key") for m in messages_of(response)), messages_of(
+        response
+    )
+    assert IdempotencyRecord.objects.filter(pk=accepted.pk).exists()
+    assert released == []
