@@ -38,6 +38,11 @@ else:
         otel_trace = None
     Span = Any
 
+#: What ``get_tracer_provider()`` returns before an application sets a provider.
+_NO_PROVIDER: tuple[type, ...] = (
+    (otel_trace.ProxyTracerProvider, otel_trace.NoOpTracerProvider) if otel_trace else ()
+)
+
 TRACER_NAME = "django_idempotency"
 TRACEPARENT = "traceparent"
 
@@ -45,7 +50,14 @@ AttributeValue = str | bool | int | float
 
 
 def enabled() -> bool:
-    return otel_trace is not None and conf.TRACING
+    """Spans are made: OpenTelemetry is installed, ``TRACING`` is on, and a tracer provider has
+    been set (until one is, every span would be a no-op, its attributes computed for nothing:
+    the key hashed, on every request)."""
+    return (
+        otel_trace is not None
+        and conf.TRACING
+        and not isinstance(otel_trace.get_tracer_provider(), _NO_PROVIDER)
+    )
 
 
 def _tracer() -> otel_trace.Tracer:

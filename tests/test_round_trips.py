@@ -207,3 +207,22 @@ def test_the_inbox_marks_a_message_in_one_statement(key, django_assert_num_queri
     duplicate = DUPLICATE_DELIVERY[connection.vendor] + BEGIN_COMMIT
     with django_assert_num_queries(duplicate), consume_once("billing", key) as consumption:
         assert not consumption
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="psycopg's parse cache")
+def test_the_claim_is_parsed_once_not_on_every_request():
+    """psycopg keeps its parse of a statement's placeholders only for statements up to
+    ``MAX_CACHED_STATEMENT_LENGTH`` (4 KiB); a longer claim would be parsed again, in Python,
+    on every request. Every variant of the claim fits, and a second claim is a cache hit."""
+    from psycopg import _queries
+
+    from django_idempotency.request import store
+
+    for owner_lock in (True, False):
+        for own_transaction in (True, False):
+            text = store._postgresql_claim_text("default", owner_lock, own_transaction)
+            assert len(text.encode()) <= _queries.MAX_CACHED_STATEMENT_LENGTH, len(text)
+    lifecycle.claim(identity("parse-once-1"))
+    hits = _queries._query2pg.cache_info().hits
+    lifecycle.claim(identity("parse-once-2"))
+    assert _queries._query2pg.cache_info().hits > hits

@@ -71,7 +71,9 @@ def assert_scoped(
         reaching = len(re.findall(rf"\b(?:FROM|UPDATE|JOIN)\s+{named}", sql, re.IGNORECASE))
         assert len(re.findall(scoped, sql, re.IGNORECASE)) >= reaching, sql
         if re.match(rf"\s*(?:WITH .*?\()?INSERT INTO {named}", sql, re.IGNORECASE | re.DOTALL):
-            columns = re.search(rf"INSERT INTO {named}\s*\(([^)]*)\)", sql, re.IGNORECASE)
+            columns = re.search(
+                rf"INSERT INTO {named}(?:\s+AS\s+\w+)?\s*\(([^)]*)\)", sql, re.IGNORECASE
+            )
             assert columns and re.search(rf"[\"`]?{column}[\"`]?\s*(,|$)", columns[1]), sql
             assert f"'{scope}'" in sql, sql
 

@@ -86,6 +86,7 @@ def claim_statement(
     names: Sequence[str],
     *,
     column_types: Mapping[str, str],
+    literals: Mapping[str, str] | None = None,
     returned: Sequence[str] = (),
     owner_lock: bool = False,
     asynchronous_commit: bool = False,
@@ -110,7 +111,9 @@ def claim_statement(
 
     ``column_types`` gives each inserted column's SQL type: the INSERT's values are a SELECT
     list (so that an existing key selects nothing), whose parameters need casts where VALUES
-    would have taken the target columns' types. ``returned`` names the record's columns to
+    would have taken the target columns' types. ``literals`` gives the columns every claim
+    writes the same value to (a new record's status, its empty response) as SQL literals, which
+    need neither a parameter nor a cast. ``returned`` names the record's columns to
     return (all of them, ``*``, if empty). Named,
     a column added to the table later does not change the statement's result, so a prepared
     statement on a long-lived connection survives a migration.
@@ -122,17 +125,30 @@ def claim_statement(
     it; a claim lost in a crash before that guarded no effect, and its retry claims afresh.
     """
 
+    # Every reference goes through one short alias: psycopg caches its parse of a statement's
+    # placeholders only up to 4 KiB of text, and the table's full name in every column
+    # reference would take the claim past that, to be parsed again on every request.
     def col(name: str) -> str:
-        return f"{table}.{column(name)}"
+        return f"r.{column(name)}"
 
     held = f"{col('status')} IN ('PROCESSING', 'ACCEPTED')"
     lease_running = (
         f"({held} AND {col('lease_expires_at')} IS NOT NULL AND {col('lease_expires_at')} > {NOW})"
     )
     expired = f"({col('expires_at')} <= {NOW} AND NOT {lease_running})"
-    stale = f"({held} AND NOT {lease_running} AND {col('fingerprint')} = %(fingerprint)s)"
+    # Held, and its lease not running: run out, or none at all.
+    lease_out = f"({col('lease_expires_at')} IS NULL OR {col('lease_expires_at')} <= {NOW})"
+    stale = f"({held} AND {lease_out} AND {col('fingerprint')} = %(fingerprint)s)"
+    fixed = dict(literals or {})
+
+    def value(name: str) -> str:
+        return fixed.get(name) or _value(name)
+
+    def inserted(name: str) -> str:
+        return fixed.get(name) or _cast(_value(name), column_types[name])
+
     updated = [name for name in names if name not in ("scope", "key", "attempts", "created_at")]
-    assignments = [f"{column(name)} = {_value(name)}" for name in updated]
+    assignments = [f"{column(name)} = {value(name)}" for name in updated]
     # A takeover continues the same logical request: its attempt count and first claim time
     # carry over. An expired record is a new request that happens to reuse the row.
     assignments.append(
@@ -142,7 +158,7 @@ def claim_statement(
         f"{column('created_at')} = CASE WHEN {expired} THEN {NOW} ELSE {col('created_at')} END"
     )
     key = f"{col('scope')} = %(scope)s AND {col('key')} = %(key)s"
-    row = ", ".join(f"{table}.{name}" for name in returned) if returned else f"{table}.*"
+    row = ", ".join(f"r.{name}" for name in returned) if returned else "r.*"
     lock_held = HOLD_OWNER_LOCK if owner_lock else "false"
     # Evaluated only for a row the claim wrote: a read-only answer commits nothing anyway.
     claimed = (
@@ -152,19 +168,19 @@ def claim_statement(
     )
     return (
         f"WITH inserted AS ("
-        f"INSERT INTO {table} ({', '.join(column(name) for name in names)}) "
-        f"SELECT {', '.join(_cast(_value(name), column_types[name]) for name in names)} "
-        f"WHERE NOT EXISTS (SELECT 1 FROM {table} WHERE {key}) "
+        f"INSERT INTO {table} AS r ({', '.join(column(name) for name in names)}) "
+        f"SELECT {', '.join(inserted(name) for name in names)} "
+        f"WHERE NOT EXISTS (SELECT 1 FROM {table} AS r WHERE {key}) "
         f"ON CONFLICT ({column('scope')}, {column('key')}) DO NOTHING "
         f"RETURNING {row}, {claimed} AS claimed), "
         f"reclaimed AS ("
-        f"UPDATE {table} SET {', '.join(assignments)} "
+        f"UPDATE {table} AS r SET {', '.join(assignments)} "
         f"WHERE {key} AND ({expired} OR {stale}) "
         f"RETURNING {row}, {claimed} AS claimed) "
         f"SELECT *, {NOW} AS database_now, {lock_held} AS owner_lock FROM inserted UNION ALL "
         f"SELECT *, {NOW} AS database_now, {lock_held} AS owner_lock FROM reclaimed UNION ALL "
         f"SELECT {row}, false AS claimed, {NOW} AS database_now, false AS owner_lock "
-        f"FROM {table} "
+        f"FROM {table} AS r "
         f"WHERE {key} AND NOT EXISTS (SELECT 1 FROM inserted) "
         f"AND NOT EXISTS (SELECT 1 FROM reclaimed)"
     )

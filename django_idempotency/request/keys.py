@@ -29,7 +29,7 @@ def parse_key(raw: str) -> str:
     value = raw.strip(" \t")
     if value.startswith('"'):
         key = _parse_sf_string(value)
-    elif value and all(char in _BARE_CHARS for char in value):
+    elif value and _BARE_CHARS.issuperset(value):
         key = value
     else:
         raise IdempotencyKeyInvalid()

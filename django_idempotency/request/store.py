@@ -403,16 +403,9 @@ def _claim_postgresql(
         "scope": identity.scope,
         "key": identity.key,
         "fingerprint": identity.fingerprint,
-        "status": PROCESSING,
         "owner_token": owner_token,
         "method": identity.method,
         "path": identity.path,
-        "attempts": 1,
-        "response_status": None,
-        "response_headers": [],
-        "response_body": None,
-        "response_retained": True,
-        "completed_at": None,
     }
     params = {
         name: _field(name).get_db_prep_save(value, connection) for name, value in values.items()
@@ -452,6 +445,17 @@ _CLAIM_COLUMNS = (
     "response_status", "response_headers", "response_body", "response_retained",
     "completed_at", "created_at", "lease_expires_at", "expires_at",
 )  # fmt: skip
+#: What every claim writes the same: a PROCESSING record with no response yet (first attempt;
+#: a takeover's attempt count is the statement's own).
+_CLAIM_LITERALS = {
+    "status": f"'{PROCESSING}'",
+    "attempts": "1",
+    "response_status": "NULL",
+    "response_headers": "'[]'",
+    "response_body": "NULL",
+    "response_retained": "true",
+    "completed_at": "NULL",
+}
 
 
 @functools.lru_cache(maxsize=16)
@@ -467,6 +471,7 @@ def _postgresql_claim_text(using: str, owner_lock: bool, own_transaction: bool) 
         lambda name: quote(_column(name)),
         _CLAIM_COLUMNS,
         column_types={name: str(_field(name).db_type(connection)) for name in _CLAIM_COLUMNS},
+        literals=_CLAIM_LITERALS,
         returned=[quote(_column(name)) for name in _concrete_names()],
         owner_lock=owner_lock,
         asynchronous_commit=own_transaction,
