@@ -31,6 +31,7 @@ __all__ = [
     "earlier_than_q",
     "BeforeInRelayOrder",
     "expired_q",
+    "Moment",
     "key_bucket",
     "lease_expired_q",
     "lease_free_q",
@@ -145,11 +146,16 @@ def key_bucket(key: str) -> int:
     return zlib.crc32(key.encode()) % OUTBOX_KEY_BUCKETS
 
 
-def lease_free_q(now: datetime) -> Q:
+#: A point in time the outbox's filters compare with: a datetime, or an expression the database
+#: evaluates (``Now()``: the relay's claim on PostgreSQL judges by the statement's own time).
+Moment = datetime | models.Expression
+
+
+def lease_free_q(now: Moment) -> Q:
     return Q(locked_until__isnull=True) | Q(locked_until__lte=now)
 
 
-def backing_off_q(now: datetime) -> Q:
+def backing_off_q(now: Moment) -> Q:
     """Waiting for a retry after a failure. An event that never failed waits for no clock, so
     neither a publisher's nor an operator's clock running ahead of the relay's can hold it."""
     return Q(attempts__gt=0, next_attempt_at__gt=now)
@@ -197,9 +203,9 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
     def unpublished(self) -> OutboxEventQuerySet:
         return self.filter(status__in=UNPUBLISHED)
 
-    def due(self, now: datetime | None = None) -> OutboxEventQuerySet:
+    def due(self, now: Moment | None = None) -> OutboxEventQuerySet:
         """PENDING, not waiting for a retry, and no relay holds a lease on it."""
-        now = now or timezone.now()
+        now = timezone.now() if now is None else now
         return self.filter(lease_free_q(now), status=OutboxStatus.PENDING).exclude(
             backing_off_q(now)
         )

@@ -1,11 +1,12 @@
 import random
+import re
 import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import OperationalError, connection, connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -207,6 +208,31 @@ def test_a_relay_whose_lease_ran_out_cannot_mark_events_another_relay_owns():
     assert [m.event_id for m in broker.snapshot()] == [event.event_id] * 2
     event.refresh_from_db()
     assert event.status == OutboxEvent.Status.PUBLISHED and event.relay_token is None
+
+
+def test_an_acknowledgement_refused_once_counts_each_failure_once_when_it_is_retried():
+    """The relay keeps the outcomes of a batch whose acknowledgement the database refused and
+    records them at its next pass, from the same events: a failure is still one attempt."""
+    event = publish_committed()
+    broker.fail_when(lambda message: True)
+    refused: list[str] = []
+
+    def refuse_the_first_ack(execute, sql, params, many, context):
+        # The acknowledgement writes the error: one statement on PostgreSQL, the failure's own
+        # UPDATE elsewhere (after the locking SELECT).
+        if not refused and re.search(r'[`"]last_error[`"] =', sql):
+            refused.append(sql)
+            raise OperationalError("the database went away")
+        return execute(sql, params, many, context)
+
+    with Relay(rng=CeilingRandom()) as relay:
+        with connection.execute_wrapper(refuse_the_first_ack), pytest.raises(OperationalError):
+            relay.run_once()
+        stats = relay.run_once()
+    assert refused, "the acknowledgement was never refused"
+    assert (stats.recorded_late, stats.failed, stats.lost) == (1, 1, 0)
+    event.refresh_from_db()
+    assert (event.status, event.attempts, event.relay_token) == ("PENDING", 1, None)
 
 
 def test_events_not_sent_before_the_lease_budget_ran_out_are_released():

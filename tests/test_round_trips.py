@@ -11,6 +11,7 @@ releases its owner lock in statements of their own.
 from __future__ import annotations
 
 import contextlib
+import uuid
 
 import pytest
 from django.db import connection, transaction
@@ -226,3 +227,141 @@ def test_the_claim_is_parsed_once_not_on_every_request():
     hits = _queries._query2pg.cache_info().hits
     lifecycle.claim(identity("parse-once-2"))
     assert _queries._query2pg.cache_info().hits > hits
+
+
+# The outbox relay, its own transactions (BEGIN and COMMIT counted): on PostgreSQL a claim is one
+# statement (the candidates, the per-key order check, the batch's relay lock and the lease) and
+# so is an acknowledgement (every outcome, fenced on the relay token, and the lock let go).
+# MariaDB and SQLite keep a short transaction: the claim reads the time (MariaDB), selects,
+# looks for earlier events of the batch's keys left out, takes the lock (MariaDB) and leases;
+# the acknowledgement locks the batch's rows, updates the sent, each failed event and the
+# untried, and lets go of the lock (MariaDB).
+RELAY_CLAIM = {"postgresql": 1, "mysql": 7, "sqlite": 5}
+RELAY_ACK = {"postgresql": 1, "mysql": 9, "sqlite": 8}  # 1 sent, 3 failed, 1 untried
+
+
+def _relay_locks_held() -> int | None:
+    """The relay locks this session holds (PostgreSQL), or None where that is not asked."""
+    if connection.vendor != "postgresql":
+        return None
+    from django_idempotency.db.postgresql import RELAY_LOCK_CLASS
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND pid = pg_backend_pid() AND classid = %s::oid AND objsubid = 2",
+            [RELAY_LOCK_CLASS],
+        )
+        return int(cursor.fetchone()[0])
+
+
+def _key_in_share(rank: int, fleet: int) -> str:
+    """A key whose hash puts it in the share of the relay of ``rank`` among ``fleet``."""
+    from django_idempotency.db import dialect
+
+    key_hash = dialect(connection.alias).KEY_HASH if fleet > 1 else None
+    for n in range(100):
+        key = f"account-{n}"
+        if key_hash is None:
+            return key
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT ({key_hash}(%s) & 2147483647) %% %s", [key, fleet])
+            if cursor.fetchone()[0] == rank:
+                return key
+    raise AssertionError("no key found")
+
+
+@pytest.mark.parametrize(
+    "fleet",
+    [
+        1,
+        pytest.param(
+            2, marks=pytest.mark.skipif(connection.vendor == "sqlite", reason="no seats on SQLite")
+        ),
+    ],
+    ids=["alone", "sharing the keys"],
+)
+def test_a_relay_claim_and_its_acknowledgement_are_one_statement_each_on_postgresql(
+    fleet, django_assert_num_queries, idempotency_settings
+):
+    """Counted with a batch of every kind: sent, failed, DEAD, failed by an outage, untried;
+    alone, and sharing the keys (the share's query and the fallback's in the one statement).
+    The other backends' counts are held too, so that they do not grow unnoticed."""
+    from django.utils import timezone
+
+    from django_idempotency.exceptions import BrokerUnavailable, PublishError
+    from django_idempotency.models import OutboxEvent
+    from django_idempotency.outbox import presence
+    from django_idempotency.outbox.relay import Relay
+    from tests.outbox_support import CeilingRandom, publish_committed
+
+    vendor = connection.vendor
+    idempotency_settings(OUTBOX_MAX_ATTEMPTS=3)
+    key = _key_in_share(0, fleet)
+    failing, held_back = publish_committed(key=key), publish_committed(key=key)
+    sent, outage, dying = (publish_committed() for _ in range(3))
+    OutboxEvent.objects.filter(pk__in=[outage.pk, dying.pk]).update(attempts=2)
+    relay = Relay(rng=CeilingRandom())
+    if fleet > 1:
+        relay._seat = presence.Seat(number=0, rank=0, fleet=fleet)
+
+    with django_assert_num_queries(RELAY_CLAIM[vendor]) as captured:
+        events, clock = relay._claim()
+    assert [event.pk for event in events] == [
+        failing.pk, held_back.pk, sent.pk, outage.pk, dying.pk
+    ]  # fmt: skip
+    token = events[0].relay_token
+    assert token is not None and {event.relay_token for event in events} == {token}
+    assert all(event.locked_until > clock.now() for event in events)
+    assert _relay_locks_held() in (1, None), "the claim did not take the batch's relay lock"
+    if vendor == "postgresql":
+        # The plan is pinned in the same round trip, for the claim's transaction only.
+        assert statements(captured)[0].startswith("SELECT set_config('enable_sort', 'off', true)")
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW enable_sort")
+            assert cursor.fetchone() == ("on",)
+
+    outcomes: dict[int, BaseException | None] = {
+        failing.pk: PublishError("refused"),
+        sent.pk: None,
+        outage.pk: BrokerUnavailable("down"),
+        dying.pk: PublishError("refused"),
+    }  # held_back: untried (its key failed first)
+    with django_assert_num_queries(RELAY_ACK[vendor]):
+        stats = relay._ack(events, outcomes, clock)
+    counts = (stats.published, stats.failed, stats.dead, stats.released, stats.lost)
+    assert counts == (1, 2, 1, 1, 0)
+    assert _relay_locks_held() in (0, None), "the acknowledgement did not let go of the lock"
+    rows = OutboxEvent.objects.in_bulk()
+    assert {row.relay_token for row in rows.values()} == {None}
+    assert {row.locked_until for row in rows.values()} == {None}
+    assert rows[sent.pk].status == "PUBLISHED" and rows[sent.pk].published_at is not None
+    assert rows[dying.pk].status == "DEAD" and rows[dying.pk].attempts == 3
+    # An outage never kills an event, whatever its attempts.
+    for pk, attempts, message in ((failing.pk, 1, "refused"), (outage.pk, 3, "down")):
+        row = rows[pk]
+        assert (row.status, row.attempts) == ("PENDING", attempts)
+        assert message in row.last_error and row.failure_fingerprint
+        assert row.next_attempt_at > timezone.now() and row.failing_since == row.last_failed_at
+    assert (rows[held_back.pk].status, rows[held_back.pk].attempts) == ("PENDING", 0)
+    assert rows[held_back.pk].last_failed_at is None
+
+
+def test_an_acknowledgement_fenced_out_changes_nothing_in_its_one_statement(
+    django_assert_num_queries,
+):
+    if connection.vendor != "postgresql":
+        pytest.skip("MariaDB, MySQL and SQLite acknowledge in a short transaction")
+    from django_idempotency.models import OutboxEvent
+    from django_idempotency.outbox.relay import Relay
+    from tests.outbox_support import publish_committed
+
+    publish_committed(), publish_committed()
+    relay = Relay()
+    events, clock = relay._claim()
+    OutboxEvent.objects.update(relay_token=uuid.uuid4())  # another relay took the batch over
+    with django_assert_num_queries(1):
+        stats = relay._ack(events, {event.pk: None for event in events}, clock)
+    assert (stats.published, stats.lost) == (0, 2)
+    assert not OutboxEvent.objects.published().exists()
+    assert _relay_locks_held() == 0

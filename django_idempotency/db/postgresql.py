@@ -8,7 +8,6 @@ why it is not needed.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -30,7 +29,16 @@ __all__ = [
     "OWNER_LOCK_CLASS",
     "with_owner_lock_released",
     "before_outbox_insert",
-    "begin_outbox_claim",
+    "ACK_COLUMNS",
+    "ACK_FAILED",
+    "ACK_SENT",
+    "ACK_UNTRIED",
+    "CLAIM_CANDIDATE",
+    "Fragment",
+    "PIN_OUTBOX_CLAIM_PLAN",
+    "fetch_outbox_claim",
+    "outbox_ack_statement",
+    "outbox_claim_statement",
     "claim_statement",
     "insert_marker",
     "now_plus",
@@ -267,23 +275,258 @@ def before_outbox_insert(
             cursor.execute(f"SELECT {', '.join(calls)}", params)
 
 
-def begin_outbox_claim(connection: BaseDatabaseWrapper) -> datetime:
-    """Pin the relay claim's plan for its transaction and return the database's time.
+#: Pins the relay claim's plan for the transaction it runs in (see :func:`fetch_outbox_claim`).
+#: The outbox is a queue, so its statistics are usually stale, and a planner that misjudges them
+#: fetches every pending row, runs the per-key subqueries on each and sorts them all (seconds,
+#: for a backlog of 20,000); without sorting it walks the relay index in order and stops after
+#: one batch (milliseconds). JIT would take far longer to compile the plan than the plan takes
+#: to run. ``set_config(..., true)`` lasts until the transaction ends.
+PIN_OUTBOX_CLAIM_PLAN = (
+    "SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true)"
+)
 
-    The outbox is a queue, so its statistics are usually stale, and a planner that misjudges
-    them fetches every pending row, runs the per-key subquery on each and sorts them all;
-    without sorting it walks the relay index in order and stops after one batch. JIT would take
-    far longer to compile the plan than the plan takes to run. ``set_config(..., true)`` lasts
-    until the transaction ends.
+#: What the acknowledgement does to each event of a batch (the ``kind`` of its outcome row).
+ACK_SENT, ACK_FAILED, ACK_UNTRIED = "sent", "failed", "untried"
+
+#: The columns of the acknowledgement's outcome rows, after ``id`` and ``kind``: what a failure
+#: sets (a published event sets ``status``, and clears the four failure columns it shares).
+ACK_COLUMNS = (
+    "status",
+    "attempts",
+    "next_attempt_at",
+    "last_error",
+    "failure_fingerprint",
+    "failing_since",
+    "last_failed_at",
+    "failure_traceback",
+)
+
+
+#: SQL and its positional parameters.
+Fragment = tuple[str, Sequence[Any]]
+
+#: The claim statement's names for a candidate row (a row of ``candidates`` or ``fallback``,
+#: with the columns ``id``, ``key`` and ``transaction_id``), for the outsider check to refer to.
+CLAIM_CANDIDATE = "candidate"
+
+
+def outbox_claim_statement(
+    table: str,
+    column: Callable[[str], str],
+    *,
+    candidates: Fragment,
+    outsiders: Callable[[str], Fragment],
+    fallback: Fragment | None,
+    returned: Sequence[str],
+    pending: str,
+    relay_lock: int | None,
+    lease_seconds: float,
+    token: Any,
+) -> tuple[str, list[Any]]:
+    """The relay's claim as one statement, and its parameters: lock a batch, keep it in key
+    order, take the batch's relay lock, lease the batch, and return it with the database's time.
+
+    ``candidates`` is the ORM's candidate query compiled to SQL: due events in relay order that
+    no held event of their key blocks, ``LIMIT`` one batch, selecting the id, the key and
+    ``transaction_id``; the statement adds ``FOR UPDATE SKIP LOCKED``, so relays side by side
+    take disjoint batches. ``fallback``, when relays share the keys, is the query for events
+    left waiting by another relay, read (and locked) only when the first keeps nothing.
+    ``outsiders(source)`` is the ORM's query for the earlier unpublished events of the row
+    :data:`CLAIM_CANDIDATE`'s key that are not in ``source`` (``"candidates"`` or
+    ``"fallback"``, whose ``id`` column it reads).
+
+    Each step does what the relay's portable claim does in a statement of its own:
+
+    * ``kept``: a candidate goes only when no earlier unpublished event of its key is left
+      outside the batch. ``SKIP LOCKED`` may have skipped that event because another relay is
+      claiming it at this moment; sending the later one meanwhile would overtake it. The
+      statement's snapshot is enough: an event this snapshot sees unpublished is at worst held
+      back until the next pass, and one it does not see yet cannot be earlier than a visible
+      event of its key (``publish()`` makes same-key ids follow commit order).
+    * ``lock``: with ``relay_lock`` (its id), the batch's relay lock (a session advisory lock,
+      see outbox/presence.py), taken once, only when there is a batch, and inside the statement,
+      so before the lease commits: no relay can see the lease without the lock. The lock
+      outlives the transaction; the acknowledgement lets go of it.
+    * ``claimed``: the lease (``lease_seconds`` from the moment of the update, so it never
+      starts before the claim was done) and ``token``, fenced on the lease being free and the
+      event PENDING (by the candidates' clock) though the statement holds the rows' locks. The
+      fence is written so that no index can serve it (``IS TRUE``): the rows are found by their
+      ids, whatever the planner believes of the other columns.
+
+    The result has at least one row: ``clock_timestamp()`` (the database's time as the claim
+    ends, for the relay's clock), whether the relay lock was taken (NULL: no batch), then the
+    ``returned`` columns of each claimed event in relay order (NULL when none was claimed).
     """
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true), "
-            "statement_timestamp()"
+
+    def col(name: str) -> str:
+        return f"{table}.{column(name)}"
+
+    params: list[Any] = []
+
+    def step(name: str, sql: str, fragment_params: Sequence[Any] = ()) -> str:
+        params.extend(fragment_params)
+        return f"{name} AS ({sql})"
+
+    def kept(source: str) -> str:
+        outsider, outsider_params = outsiders(source)
+        return step(
+            f"{source}_kept",
+            f"SELECT * FROM {source} AS {CLAIM_CANDIDATE} WHERE {CLAIM_CANDIDATE}.key = '' "
+            f"OR NOT EXISTS ({outsider})",
+            outsider_params,
         )
-        row = cursor.fetchone()
-    now: datetime = row[2]
-    return now
+
+    shape = "(id, key, transaction_id)"
+    locking = "FOR UPDATE SKIP LOCKED"
+    steps = [step(f"candidates {shape}", f"{candidates[0]} {locking}", candidates[1])]
+    steps.append(kept("candidates"))
+    if fallback is None:
+        steps.append(step("batch", "SELECT * FROM candidates_kept"))
+    else:
+        steps.append(step(f"fallback {shape}", f"{fallback[0]} {locking}", fallback[1]))
+        steps.append(kept("fallback"))
+        # The fallback runs only when the first query kept nothing: a one-time filter.
+        steps.append(
+            step(
+                "batch",
+                "SELECT * FROM candidates_kept UNION ALL SELECT * FROM fallback_kept "
+                "WHERE NOT EXISTS (SELECT 1 FROM candidates_kept)",
+            )
+        )
+    held, lock_params = (
+        (f"pg_try_advisory_lock({RELAY_LOCK_CLASS}, %s)", [relay_lock])
+        if relay_lock is not None
+        else ("false", [])
+    )
+    steps.append(
+        step(
+            "lock",
+            f"SELECT {held} AS held FROM (SELECT 1 FROM batch LIMIT 1) AS any_event",
+            lock_params,
+        )
+    )
+    steps.append(
+        step(
+            "claimed",
+            f"UPDATE {table} SET "
+            f"{column('locked_until')} = clock_timestamp() + make_interval(secs => %s), "
+            f"{column('relay_token')} = %s "
+            f"WHERE {col('id')} = ANY(ARRAY(SELECT id FROM batch)) "
+            f"AND ({col('status')} = {_literal(pending)} "
+            f"AND ({col('locked_until')} IS NULL OR {col('locked_until')} <= {NOW})) IS TRUE "
+            f"RETURNING {', '.join(f'{table}.{name}' for name in returned)}",
+            [float(lease_seconds), token],
+        )
+    )
+    statement = (
+        f"WITH {', '.join(steps)} "
+        f"SELECT clock_timestamp(), lock.held, claimed.* FROM (SELECT 1) AS one "
+        f"LEFT JOIN lock ON true LEFT JOIN claimed ON true "
+        f"ORDER BY claimed.{column('transaction_id')}, claimed.{column('id')}"
+    )
+    return statement, params
+
+
+def fetch_outbox_claim(
+    connection: BaseDatabaseWrapper, statement: str, params: Sequence[Any]
+) -> list[tuple[Any, ...]]:
+    """Run the claim ``statement`` with its plan pinned (:data:`PIN_OUTBOX_CLAIM_PLAN`), in one
+    round trip, and return its rows.
+
+    A planner setting only reaches statements planned after it is set, so the statement it is
+    for cannot set it. The two go in one message of the simple query protocol instead, which
+    PostgreSQL runs as one transaction (an implicit one in autocommit, else the caller's): the
+    setting lasts until that transaction ends, as ``SET LOCAL`` would, and reaches nothing else
+    on the connection. A message of two statements cannot carry parameters, so they are bound
+    into the text on the client (as Django's psycopg cursors do unless told to bind on the
+    server).
+    """
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3, mogrify
+
+    text = mogrify(statement, params, connection)
+    with connection.cursor() as cursor:
+        cursor.execute(f"{PIN_OUTBOX_CLAIM_PLAN}; {text}")
+        if is_psycopg3:  # psycopg 3 starts at the first statement's result, psycopg2 has the last
+            cursor.nextset()
+        rows: list[tuple[Any, ...]] = cursor.fetchall()
+    return rows
+
+
+def outbox_ack_statement(
+    table: str,
+    column: Callable[[str], str],
+    column_types: Mapping[str, str],
+    *,
+    relay_lock: bool,
+) -> str:
+    """The relay's acknowledgement of a batch as one statement: every outcome, fenced on the
+    relay token, and the batch's relay lock let go.
+
+    Parameters are named: ``id`` and ``kind`` (:data:`ACK_SENT`, :data:`ACK_FAILED` or
+    :data:`ACK_UNTRIED`) and each of :data:`ACK_COLUMNS`, one array each with an element per
+    event, ``now`` (when the sent events were published), ``token``, and with ``relay_lock``,
+    ``relay_lock`` (the lock's id). ``column_types`` gives the SQL type of ``id`` and of each
+    of :data:`ACK_COLUMNS`. The text depends on nothing else, so it is prepared once per
+    connection, whatever the batch.
+
+    A sent event is PUBLISHED at ``now`` and its failure columns cleared; a failed one takes
+    the outcome's values (its attempts, next attempt, DEAD or not, failure group); an untried
+    one keeps everything. All three lose their lease and token, and only where the row still
+    carries ``token``: a relay whose lease was taken over changes nothing, and the result says
+    which events it did change: one row, the array of their ids and the lock's release.
+
+    The lock is let go inside the statement, before it commits. A relay that finds it free
+    meanwhile and releases the batch's leases (``Relay._release_batches_of_gone_relays``)
+    waits for this statement's row locks, and then its UPDATE, fenced on the token, finds the
+    token gone and changes nothing.
+    """
+    name = column
+    outcome = ["id", "kind", *ACK_COLUMNS]
+    arrays = ", ".join(
+        f"CAST(%({field})s AS {column_types.get(field, 'text')}[])" for field in outcome
+    )
+
+    def unless(kind: str, field: str) -> str:
+        """The outcome's value, except for ``kind``, which keeps the row's."""
+        return (
+            f"{name(field)} = CASE outcome.kind WHEN {_literal(kind)} THEN {table}.{name(field)} "
+            f"ELSE outcome.{field} END"
+        )
+
+    def only(kind: str, field: str, value: str) -> str:
+        """``value`` for ``kind``; the others keep the row's."""
+        return (
+            f"{name(field)} = CASE outcome.kind WHEN {_literal(kind)} THEN {value} "
+            f"ELSE {table}.{name(field)} END"
+        )
+
+    assignments = [
+        unless(ACK_UNTRIED, "status"),
+        only(ACK_SENT, "published_at", f"CAST(%(now)s AS {column_types['published_at']})"),
+        *(
+            only(ACK_FAILED, field, f"outcome.{field}")
+            for field in ("attempts", "next_attempt_at", "last_failed_at")
+        ),
+        *(
+            unless(ACK_UNTRIED, field)
+            for field in ("last_error", "failure_fingerprint", "failing_since", "failure_traceback")
+        ),
+        f"{name('locked_until')} = NULL",
+        f"{name('relay_token')} = NULL",
+    ]
+    released = f"pg_advisory_unlock({RELAY_LOCK_CLASS}, %(relay_lock)s)" if relay_lock else "NULL"
+    return (
+        f"WITH outcome AS (SELECT * FROM unnest({arrays}) AS outcome ({', '.join(outcome)})), "
+        f"changed AS (UPDATE {table} SET {', '.join(assignments)} FROM outcome "
+        f"WHERE {table}.{name('id')} = outcome.id AND {table}.{name('relay_token')} = %(token)s "
+        f"RETURNING {table}.{name('id')}) "
+        f"SELECT ARRAY(SELECT changed.{name('id')} FROM changed), {released}"
+    )
+
+
+def _literal(value: str) -> str:
+    """A string constant of the code (a status, say), as SQL."""
+    return "'" + value.replace("'", "''") + "'"
 
 
 # --- inbox -------------------------------------------------------------------------------------

@@ -4,11 +4,12 @@ batch whose relay is gone from one that is still being published.
 A relay lease only says how long a batch may take. When a relay dies (a killed process, a lost
 pod), its connection closes, but its lease would still hold the batch, and with it every later
 event of the batch's keys, until ``OUTBOX_RELAY_LEASE_SECONDS`` ran out. So the claim takes a
-session lock named after the batch's relay token (PostgreSQL: an advisory lock; MariaDB/MySQL:
-``GET_LOCK``) and the relay lets go of it after the ack. Between batches a relay looks at the
-leases at the head of the outbox; a lease whose lock no session holds belongs to a relay that is
-gone, and is released at once. A relay that restarts finds its own batch that way on its first
-pass, as does any other relay.
+session lock named after the batch's relay token (PostgreSQL: an advisory lock, inside the claim
+statement; MariaDB/MySQL: ``GET_LOCK``, before the claim commits) and the relay lets go of it
+with the ack (PostgreSQL: inside the ack's statement; MariaDB/MySQL: after it commits). Between
+batches a relay looks at the leases at the head of the outbox; a lease whose lock no session
+holds belongs to a relay that is gone, and is released at once. A relay that restarts finds its
+own batch that way on its first pass, as does any other relay.
 
 Relays also hold a *seat* each, numbered from 0: a session lock on a connection of the relay's
 own, kept for as long as the relay runs (its ordinary connection may close between passes, as
@@ -44,6 +45,7 @@ __all__ = [
     "gone",
     "hold",
     "let_go",
+    "lock_id",
     "seat_connection",
     "take_seat",
 ]
@@ -57,7 +59,8 @@ def enabled(using: str) -> bool:
     return conf.TAKE_OVER_DEAD_OWNERS and connections[using].vendor in ("postgresql", "mysql")
 
 
-def _lock_id(token: uuid.UUID) -> int:
+def lock_id(token: uuid.UUID) -> int:
+    """The id of a batch's relay lock on PostgreSQL (the second key of the two-integer form)."""
     return int.from_bytes(token.bytes[:4], "big", signed=True)
 
 
@@ -69,7 +72,7 @@ def _execute(using: str, token: uuid.UUID, on_postgresql: str, on_mysql: str) ->
     connection = connections[using]
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            cursor.execute(on_postgresql, [_lock_id(token)])
+            cursor.execute(on_postgresql, [lock_id(token)])
         else:
             cursor.execute(on_mysql, [_lock_name(token)])
 
@@ -91,7 +94,7 @@ def gone(using: str, tokens: Collection[uuid.UUID]) -> set[uuid.UUID]:
     connection = connections[using]
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            by_id = {_lock_id(token): token for token in tokens}
+            by_id = {lock_id(token): token for token in tokens}
             cursor.execute(postgresql.RELAYS_GONE, [list(by_id)])
             return {by_id[row[0]] for row in cursor.fetchall()}
         ordered = list(tokens)

@@ -2,15 +2,19 @@
 
 Locking and ordering, in one place:
 
-* **Claim** (one short transaction). ``SELECT ... FOR UPDATE SKIP LOCKED`` where the database
-  has it (PostgreSQL, MariaDB 10.6+, MySQL 8), so relays running side by side take disjoint
-  batches instead of queueing on each other's rows; SQLite serialises writers anyway. The claim
-  commits a lease (``locked_until``) and this relay's ``relay_token``: the rows are then owned
-  without any lock being held.
+* **Claim**. ``SELECT ... FOR UPDATE SKIP LOCKED`` where the database has it (PostgreSQL,
+  MariaDB 10.6+, MySQL 8), so relays running side by side take disjoint batches instead of
+  queueing on each other's rows; SQLite serialises writers anyway. The claim commits a lease
+  (``locked_until``) and this relay's ``relay_token``: the rows are then owned without any lock
+  being held. On PostgreSQL it is one statement in one round trip, the batch's relay lock
+  taken inside it (``db.postgresql.outbox_claim_statement``); elsewhere one short transaction
+  of several statements.
 * **Publish** with no transaction open: network I/O never holds a lock or a snapshot.
-* **Ack** (one short transaction), every UPDATE fenced on ``relay_token``: a relay whose lease
-  ran out, and whose events another relay has claimed since, changes nothing. The events were
-  then published twice with the same ``event_id``, which consumers deduplicate.
+* **Ack**, every change fenced on ``relay_token``: a relay whose lease ran out, and whose events
+  another relay has claimed since, changes nothing. The events were then published twice with
+  the same ``event_id``, which consumers deduplicate. On PostgreSQL one statement, the relay
+  lock let go inside it (``db.postgresql.outbox_ack_statement``); elsewhere one short
+  transaction, the lock let go after it.
 
 Order: events with the same ``key`` leave in id order (``RELAY_ORDER``, whose first column is
 always 0). An event is only claimed when no earlier unpublished event with its key exists outside
@@ -23,8 +27,9 @@ keys, or for a long transaction elsewhere in the database.
 
 Time: leases and backoffs are measured by the database's clock, the one clock every relay
 shares, so relays whose own clocks disagree never both hold an event. A pass reads the
-database's time once, at the start of its claim (on PostgreSQL in the statement that pins the
-plan, so without a round trip of its own), and carries it forward on the monotonic clock.
+database's time once, with its claim (on PostgreSQL the claim statement judges by its own time
+and returns it, so without a round trip of its own), and carries it forward on the monotonic
+clock.
 
 Outages: a relay whose batch is published but whose ack cannot commit (the database went away
 meanwhile) keeps the outcomes and records them first thing when the database answers again,
@@ -46,15 +51,16 @@ gap locks REPEATABLE READ adds to the claim's scan last only for that short tran
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from django.db import (
     DatabaseError,
@@ -64,14 +70,15 @@ from django.db import (
     transaction,
 )
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import BigIntegerField, Exists, F, Func, OuterRef, Q
-from django.db.models.functions import Mod
+from django.db.models import BigIntegerField, Exists, F, Field, Func, OuterRef, Q, QuerySet
+from django.db.models.expressions import RawSQL
+from django.db.models.functions import Mod, Now
 from django.utils import timezone
 
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
 from django_idempotency.core.failures import describe, failure_fingerprint, failure_traceback
-from django_idempotency.db import database_now, dialect, postgresql
+from django_idempotency.db import database_now, dialect, postgresql, prepared, to_datetime
 from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import presence
@@ -81,6 +88,7 @@ from django_idempotency.publishers.routing import PublisherSet
 from django_idempotency.querysets import (
     UNPUBLISHED,
     BeforeInRelayOrder,
+    Moment,
     OutboxEventQuerySet,
     OutboxStatus,
     backing_off_q,
@@ -146,11 +154,9 @@ class DatabaseClock:
 
     @classmethod
     def read(cls, connection: BaseDatabaseWrapper) -> DatabaseClock:
-        """Read the database's time. On PostgreSQL this also pins the claim's plan for the
-        current transaction (see ``db.postgresql.begin_outbox_claim``), in the same statement."""
-        if connection.vendor == "postgresql":
-            now = postgresql.begin_outbox_claim(connection)
-        elif connection.vendor == "mysql":
+        """Read the database's time, in a statement of its own. (The claim on PostgreSQL needs
+        none: its one statement returns the time with the batch.)"""
+        if connection.vendor in ("postgresql", "mysql"):
             now = database_now(connection.alias)
         else:
             # SQLite: the machine's clock is the database's (see db/sqlite.py). Other backends
@@ -385,7 +391,7 @@ class Relay:
     def _events(self) -> OutboxEventQuerySet:
         return OutboxEvent.objects.using(self.using).all()
 
-    def _candidates(self, now: datetime) -> OutboxEventQuerySet:
+    def _candidates(self, now: Moment) -> OutboxEventQuerySet:
         """Due events in relay order that no earlier event with their key holds back."""
         events = self._events()
         same_key = events.filter(key=OuterRef("key"))
@@ -400,6 +406,83 @@ class Relay:
         return events.due(now).filter(Q(key="") | ~blocked).in_relay_order()
 
     def _claim(self) -> tuple[list[OutboxEvent], DatabaseClock]:
+        """A batch of due events, leased to this relay under a new token, in relay order, and
+        the database's time to measure the rest of the pass by."""
+        if connections[self.using].vendor == "postgresql":
+            return self._claim_in_one_statement()
+        return self._claim_in_a_transaction()
+
+    def _claim_in_one_statement(self) -> tuple[list[OutboxEvent], DatabaseClock]:
+        """PostgreSQL: the whole claim, the batch's relay lock included, in one round trip
+        (``db.postgresql.outbox_claim_statement``), in autocommit.
+
+        Time: the statement judges due-ness and leases by its own time, ``STATEMENT_TIMESTAMP()``
+        (Django's ``Now()``), and returns the database's time as it ends, from which the
+        relay's clock for the rest of the pass is carried forward on the monotonic clock. That
+        is the database's clock with no reading of its own, never stale, so nothing has to
+        refresh it. (Reusing a clock read on an earlier pass would save nothing more and would
+        carry the monotonic clock's drift across passes.)
+        """
+        connection = connections[self.using]
+        now = Now()
+        candidates = self._candidates(now)
+        fallback: postgresql.Fragment | None = None
+        seat = self._seat
+        if seat is not None and seat.fleet > 1:
+            # As in the portable claim: this relay's share of the keys, and only when it keeps
+            # nothing there, what any relay has left waiting for a whole lease.
+            fallback = self._compile(candidates.filter(self._left_waiting(now)))
+            candidates = self._share(candidates, seat)
+        token = uuid.uuid4()
+        statement, params = postgresql.outbox_claim_statement(
+            _quoted_table(connection),
+            functools.partial(_quoted_column, connection),
+            candidates=self._compile(candidates),
+            outsiders=self._outsiders,
+            fallback=fallback,
+            returned=[_quoted_column(connection, field) for field in _event_fields()],
+            pending=OutboxStatus.PENDING,
+            relay_lock=presence.lock_id(token) if presence.enabled(self.using) else None,
+            lease_seconds=self.lease_seconds,
+            token=token,
+        )
+        rows = postgresql.fetch_outbox_claim(connection, statement, params)
+        read_at, held = rows[0][0], rows[0][1]
+        clock = DatabaseClock(read_at=to_datetime(read_at), monotonic=time.monotonic())
+        events = [_event_from_row(connection, row[2:]) for row in rows if row[2] is not None]
+        if held and not events:
+            # Nothing was left to lease once the lock was taken (the fence found every row
+            # changed): let go of the lock of a batch that does not exist.
+            with contextlib.suppress(DatabaseError):
+                presence.let_go(self.using, token)
+        return events, clock
+
+    def _compile(self, candidates: OutboxEventQuerySet) -> postgresql.Fragment:
+        """One batch of ``candidates`` (id, key and position) as SQL and its parameters."""
+        return self._sql(candidates.values_list("pk", "key", "transaction_id")[: self.batch_size])
+
+    def _outsiders(self, batch: str) -> postgresql.Fragment:
+        """``_without_outsiders`` for the claim statement: the earlier unpublished events of the
+        candidate's key outside ``batch`` (the statement's names for them, see
+        ``db.postgresql.outbox_claim_statement``)."""
+
+        def candidate(name: str) -> RawSQL:
+            return RawSQL(f"{postgresql.CLAIM_CANDIDATE}.{name}", [])
+
+        outsider = (
+            self._events()
+            .filter(key=candidate("key"), status__in=UNPUBLISHED)
+            .filter(BeforeInRelayOrder(candidate("transaction_id"), candidate("id")))
+            .exclude(pk__in=RawSQL(f"SELECT id FROM {batch}", []))
+        )
+        return self._sql(outsider.values_list("pk"))
+
+    def _sql(self, queryset: QuerySet[Any, Any]) -> postgresql.Fragment:
+        sql, params = queryset.query.get_compiler(using=self.using).as_sql()
+        return sql, params
+
+    def _claim_in_a_transaction(self) -> tuple[list[OutboxEvent], DatabaseClock]:
+        """MariaDB, MySQL and SQLite: one short transaction of several statements."""
         connection = connections[self.using]
         features = connection.features
         with transaction.atomic(using=self.using):
@@ -457,7 +540,7 @@ class Relay:
             relay_share=Mod(key_hash.bitand(0x7FFFFFFF), seat.fleet, output_field=BigIntegerField())
         ).filter(Q(key="") | Q(relay_share=seat.rank))
 
-    def _left_waiting(self, now: datetime) -> Q:
+    def _left_waiting(self, now: Moment) -> Q:
         """Due for at least a lease: written (or last failed) that long ago."""
         since = now - timedelta(seconds=self.lease_seconds)
         return Q(attempts=0, created_at__lte=since) | Q(attempts__gt=0, next_attempt_at__lte=since)
@@ -561,89 +644,141 @@ class Relay:
         outcomes: dict[int, BaseException | None],
         clock: DatabaseClock,
     ) -> RelayStats:
+        """Record the batch's outcomes where this relay still holds the events, release what
+        it did not try, and let go of the batch's lock; signals and logs once that committed.
+
+        Nothing is written on the events in memory until then: a batch whose acknowledgement
+        failed is acknowledged again from the same events (see ``_unrecorded``)."""
         now = clock.now()
-        max_attempts = conf.OUTBOX_MAX_ATTEMPTS
         token = events[0].relay_token
+        sent = [event for event in events if event.pk in outcomes and outcomes[event.pk] is None]
+        failures = self._failures(
+            [(event, error) for event in events if (error := outcomes.get(event.pk)) is not None],
+            now,
+        )
+        untried = [event.pk for event in events if event.pk not in outcomes]
+        if connections[self.using].vendor == "postgresql":
+            owned = self._ack_in_one_statement(token, now, sent, failures, untried)
+        else:
+            owned = self._ack_in_a_transaction(token, now, sent, failures, untried)
         stats = RelayStats(claimed=len(events))
-        sent: list[OutboxEvent] = []
-        failures: list[tuple[OutboxEvent, BaseException]] = []
+        stats.lost = sum(1 for event in events if event.pk in outcomes and event.pk not in owned)
+        stats.released = sum(1 for pk in untried if pk in owned)
+        sent = [event for event in sent if event.pk in owned]
+        failures = [failure for failure in failures if failure.event.pk in owned]
+        for failure in failures:
+            for name, value in failure.changes.items():
+                setattr(failure.event, name, value)
+        self._announce(sent, [(failure.event, failure.error) for failure in failures], stats, now)
+        return stats
+
+    def _failures(
+        self, failed: list[tuple[OutboxEvent, BaseException]], now: datetime
+    ) -> list[_Failure]:
+        """What each failure changes: an attempt more, the error and its failure group, and a
+        backoff, or DEAD after the last attempt."""
+        max_attempts = conf.OUTBOX_MAX_ATTEMPTS
+        # A batch often shares one error (a broker outage): describe it once.
+        described: dict[int, tuple[str, str, str | None]] = {}
+        failures = []
+        for event, error in failed:
+            if id(error) not in described:
+                described[id(error)] = (
+                    _describe(error),
+                    failure_fingerprint(error),
+                    failure_traceback(error) or None,
+                )
+            last_error, fingerprint, traceback = described[id(error)]
+            attempts = event.attempts + 1
+            status, next_attempt_at = event.status, event.next_attempt_at
+            # An unreachable broker says nothing about the event: however long the outage, the
+            # event waits for the broker (backoff capped) instead of dying.
+            if attempts >= max_attempts and not isinstance(error, BrokerUnavailable):
+                status = OutboxStatus.DEAD
+            else:
+                next_attempt_at = now + timedelta(seconds=backoff_delay(attempts, self.rng))
+            changes = {
+                "status": status,
+                "attempts": attempts,
+                "next_attempt_at": next_attempt_at,
+                "last_error": last_error,
+                "failure_fingerprint": fingerprint,
+                # The failure group's clock: it restarts when the event fails for a new reason.
+                "failing_since": (
+                    now
+                    if fingerprint != event.failure_fingerprint or event.failing_since is None
+                    else event.failing_since
+                ),
+                "last_failed_at": now,
+                "failure_traceback": traceback,
+            }
+            failures.append(_Failure(event, error, changes))
+        return failures
+
+    def _ack_in_one_statement(
+        self,
+        token: uuid.UUID | None,
+        now: datetime,
+        sent: list[OutboxEvent],
+        failures: list[_Failure],
+        untried: list[int],
+    ) -> set[int]:
+        """PostgreSQL: every outcome and the lock's release in one statement, in autocommit
+        (``db.postgresql.outbox_ack_statement``); the ids of the events it changed."""
+        connection = connections[self.using]
+        relay_lock = presence.enabled(self.using) and token is not None
+        rows: list[tuple[int, str, dict[str, Any]]] = [
+            *((event.pk, postgresql.ACK_SENT, _SENT) for event in sent),
+            *((failure.event.pk, postgresql.ACK_FAILED, failure.changes) for failure in failures),
+            *((pk, postgresql.ACK_UNTRIED, {}) for pk in untried),
+        ]
+        params: dict[str, Any] = {
+            "id": [pk for pk, _, _ in rows],
+            "kind": [kind for _, kind, _ in rows],
+            "now": now,
+            "token": token,
+        }
+        for name in postgresql.ACK_COLUMNS:
+            params[name] = [changes.get(name) for _, _, changes in rows]
+        if relay_lock:
+            assert token is not None
+            params["relay_lock"] = presence.lock_id(token)
+        with prepared.cursor(connection) as cursor:
+            cursor.execute(_ack_statement(self.using, relay_lock), params)
+            changed, _ = cursor.fetchone()
+        return set(changed)
+
+    def _ack_in_a_transaction(
+        self,
+        token: uuid.UUID | None,
+        now: datetime,
+        sent: list[OutboxEvent],
+        failures: list[_Failure],
+        untried: list[int],
+    ) -> set[int]:
+        """MariaDB, MySQL and SQLite: one short transaction of several statements, then the
+        lock let go; the ids of the events it changed."""
         mine = self._events().filter(relay_token=token)
         with transaction.atomic(using=self.using):
-            owned = set(
-                mine.select_for_update()
-                .filter(pk__in=[event.pk for event in events])
-                .values_list("pk", flat=True)
-            )
-            for event in events:
-                if event.pk not in outcomes:
-                    continue
-                error = outcomes[event.pk]
-                if event.pk not in owned:
-                    stats.lost += 1
-                elif error is None:
-                    sent.append(event)
-                else:
-                    failures.append((event, error))
-            if sent:
-                mine.filter(pk__in=[event.pk for event in sent]).update(
-                    status=OutboxStatus.PUBLISHED,
-                    published_at=now,
-                    locked_until=None,
-                    relay_token=None,
-                    last_error="",
-                    failure_fingerprint=None,
-                    failing_since=None,
-                    failure_traceback=None,
+            batch = [event.pk for event in sent] + [f.event.pk for f in failures] + untried
+            owned = set(mine.select_for_update().filter(pk__in=batch).values_list("pk", flat=True))
+            if sent_ids := [event.pk for event in sent if event.pk in owned]:
+                mine.filter(pk__in=sent_ids).update(
+                    **_SENT, published_at=now, locked_until=None, relay_token=None
                 )
-            # A batch often shares one error (a broker outage): describe it once.
-            described: dict[int, tuple[str, str, str | None]] = {}
-            for event, error in failures:
-                if id(error) not in described:
-                    described[id(error)] = (
-                        _describe(error),
-                        failure_fingerprint(error),
-                        failure_traceback(error) or None,
+            for failure in failures:
+                if failure.event.pk in owned:
+                    mine.filter(pk=failure.event.pk).update(
+                        **failure.changes, locked_until=None, relay_token=None
                     )
-                event.attempts += 1
-                event.last_error, fingerprint, event.failure_traceback = described[id(error)]
-                # The failure group's clock: it restarts when the event fails for a new reason.
-                if fingerprint != event.failure_fingerprint or event.failing_since is None:
-                    event.failing_since = now
-                event.failure_fingerprint = fingerprint
-                event.last_failed_at = now
-                # An unreachable broker says nothing about the event: however long the outage,
-                # the event waits for the broker (backoff capped) instead of dying.
-                outage = isinstance(error, BrokerUnavailable)
-                if event.attempts >= max_attempts and not outage:
-                    event.status = OutboxStatus.DEAD
-                else:
-                    event.next_attempt_at = now + timedelta(
-                        seconds=backoff_delay(event.attempts, self.rng)
-                    )
-                mine.filter(pk=event.pk).update(
-                    status=event.status,
-                    attempts=event.attempts,
-                    next_attempt_at=event.next_attempt_at,
-                    last_error=event.last_error,
-                    failure_fingerprint=event.failure_fingerprint,
-                    failing_since=event.failing_since,
-                    last_failed_at=event.last_failed_at,
-                    failure_traceback=event.failure_traceback,
-                    locked_until=None,
-                    relay_token=None,
-                )
-            untried = [event.pk for event in events if event.pk not in outcomes]
             if untried:
-                stats.released = mine.filter(pk__in=untried).update(
-                    locked_until=None, relay_token=None
-                )
+                mine.filter(pk__in=untried).update(locked_until=None, relay_token=None)
         if presence.enabled(self.using) and token is not None:
             # After the commit: until then the batch's rows still carry the token. A lock lost
             # with a broken connection needs no letting go.
             with contextlib.suppress(DatabaseError):
                 presence.let_go(self.using, token)
-        self._announce(sent, failures, stats, now)
-        return stats
+        return owned
 
     def _announce(
         self,
@@ -684,6 +819,88 @@ class Relay:
                 stats.lost,
                 extra={"outbox_lost": stats.lost},
             )
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """A failed event, its error, and the columns its acknowledgement sets (by field name)."""
+
+    event: OutboxEvent
+    error: BaseException
+    changes: dict[str, Any]
+
+
+#: What the acknowledgement sets on a published event besides ``published_at``.
+_SENT: dict[str, Any] = {
+    "status": OutboxStatus.PUBLISHED,
+    "last_error": "",
+    "failure_fingerprint": None,
+    "failing_since": None,
+    "failure_traceback": None,
+}
+
+
+@functools.cache
+def _event_fields() -> tuple[Field[Any, Any], ...]:
+    return tuple(OutboxEvent._meta.concrete_fields)
+
+
+def _quoted_table(connection: BaseDatabaseWrapper) -> str:
+    return str(connection.ops.quote_name(OutboxEvent._meta.db_table))
+
+
+def _quoted_column(connection: BaseDatabaseWrapper, field: str | Field[Any, Any]) -> str:
+    if isinstance(field, str):
+        field = cast("Field[Any, Any]", OutboxEvent._meta.get_field(field))
+    return str(connection.ops.quote_name(cast(str, field.column)))
+
+
+def _event_from_row(connection: BaseDatabaseWrapper, values: Sequence[Any]) -> OutboxEvent:
+    """An event from its concrete columns as a cursor returned them, converted as the ORM
+    would (JSON, say)."""
+    converted = [
+        functools.reduce(lambda value, convert: convert(value, column, connection), converters, raw)
+        for raw, (column, converters) in zip(values, _converters(connection.alias), strict=True)
+    ]
+    return OutboxEvent.from_db(connection.alias, _event_attnames(), converted)
+
+
+@functools.lru_cache(maxsize=16)
+def _converters(using: str) -> list[tuple[Any, list[Any]]]:
+    """Per concrete column, the ORM's converters for values read on this connection."""
+    connection = connections[using]
+    table = OutboxEvent._meta.db_table
+    result = []
+    for field in _event_fields():
+        column = field.get_col(table)
+        converters = connection.ops.get_db_converters(column) + column.get_db_converters(connection)
+        result.append((column, converters))
+    return result
+
+
+@functools.cache
+def _event_attnames() -> tuple[str, ...]:
+    return tuple(field.attname for field in _event_fields())
+
+
+@functools.lru_cache(maxsize=16)
+def _ack_statement(using: str, relay_lock: bool) -> str:
+    """The acknowledgement's text: it depends only on the connection, so it is built once."""
+    connection = connections[using]
+    types = {
+        name: str(_outbox_field(name).cast_db_type(connection))
+        for name in ("id", "published_at", *postgresql.ACK_COLUMNS)
+    }
+    return postgresql.outbox_ack_statement(
+        _quoted_table(connection),
+        functools.partial(_quoted_column, connection),
+        types,
+        relay_lock=relay_lock,
+    )
+
+
+def _outbox_field(name: str) -> Field[Any, Any]:
+    return cast("Field[Any, Any]", OutboxEvent._meta.get_field(name))
 
 
 @dataclass(frozen=True, slots=True)
