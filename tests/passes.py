@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -49,6 +50,8 @@ class Pass:
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     seconds: float = 0.0
+    #: CPU seconds of the pass and the processes it waited for (servers, workers, builds).
+    cpu: float = 0.0
     returncode: int | None = None
     stopped: bool = False
 
@@ -82,6 +85,12 @@ def environment(target: str) -> dict[str, str]:
         if env.get(variable):
             env[variable] = with_database_suffix(env[variable], suffix)
     return env
+
+
+def cpu_of_children() -> float:
+    """CPU seconds of the children reaped so far, and of the processes they reaped."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def minutes(seconds: float) -> str:
@@ -143,7 +152,7 @@ class Run:
     def finish(self, one: Pass, returncode: int) -> None:
         one.returncode, one.seconds = returncode, one.elapsed
         if returncode == 0:
-            say(f"== {one.target}: passed in {minutes(one.seconds)}")
+            say(f"== {one.target}: passed in {minutes(one.seconds)} (CPU {minutes(one.cpu)})")
             for line in tail(one.log):
                 say(f"   {line}")
         else:
@@ -162,8 +171,10 @@ class Run:
                 self.start(self.waiting.popleft())
             for one in self.running():
                 assert one.process is not None
+                before = cpu_of_children()
                 returncode = one.process.poll()
                 if returncode is not None:
+                    one.cpu = cpu_of_children() - before
                     self.finish(one, returncode)
             if time.monotonic() >= next_heartbeat:
                 next_heartbeat = time.monotonic() + heartbeat
@@ -201,7 +212,7 @@ class Run:
                 result = "stopped"
             else:
                 result = "passed" if one.returncode == 0 else f"FAILED (exit {one.returncode})"
-            say(f"   {one.target:<24} {result:<18} {minutes(one.seconds)}")
+            say(f"   {one.target:<24} {result:<18} {minutes(one.seconds)}  CPU {minutes(one.cpu)}")
         failed = [one.target for one in self.passes if one.returncode != 0]
         if failed:
             say(f"== failed: {', '.join(failed)} (logs in {shown(self.passes[0].log.parent)})")
