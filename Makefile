@@ -1,5 +1,6 @@
 # Two commands matter: `make demo` serves the demo, `make test` runs the whole test suite.
-# The test suite runs once per database backend and once per supported Django series.
+# The test suite runs once per database backend and once per supported Django series: six
+# passes, two at a time (TEST_JOBS), each logged to artifacts/<pass>.log (see tests/passes.py).
 # Service URLs come from the environment (POSTGRES_URL, MARIADB_URL, REDIS_URL, AMQP_URL, NATS_URL);
 # see tests/backends.py for what happens when one is missing.
 
@@ -27,7 +28,20 @@ DEMO_LEASE_SECONDS ?= 5
 DEMO_RELAY_LEASE_SECONDS ?= 10
 DEMO_SERVE := $(VENV)/bin/python -m gunicorn --config python:demo_project.gunicorn_conf demo_project.wsgi
 
-.PHONY: demo tour test lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay chaos
+# The passes of `make test`, longest first: tests/passes.py runs TEST_JOBS of them side by side
+# (they spend much of their time waiting on sleeps, leases and subprocesses), each with a
+# database of its own and its output in artifacts/<pass>.log. TEST_JOBS=1 runs them one by one.
+TEST_PASSES := test-dj52-sqlite test-dj52-postgresql test-dj6-postgresql test-reliability \
+	test-dj6-sqlite test-dj52-mariadb
+TEST_JOBS ?= 2
+RUN_PASSES = $(VENV)/bin/python -m tests.passes --jobs $(TEST_JOBS) --make "$(MAKE)"
+# One pass: $(call pytest-pass,VENV,DATABASE,NAME,PYTEST ARGUMENTS); its coverage data goes to
+# .coverage.NAME, which `make test` combines with the other passes'.
+pytest-pass = rm -f .coverage.$(3) .coverage.$(3).* && TEST_DATABASE=$(2) COVERAGE_FILE=.coverage.$(3) \
+	$(1)/bin/$(PYTEST) --cov=django_idempotency --cov-report= $(4)
+
+.PHONY: demo tour test lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay chaos \
+	test-dj52-sqlite test-dj52-postgresql test-dj52-mariadb test-dj6-sqlite test-dj6-postgresql
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -71,7 +85,9 @@ tour: $(VENV)/.demo-installed
 	$(VENV)/bin/python manage.py idempotency_tour --url http://127.0.0.1:$(DEMO_PORT)
 
 ## test: lint, types, migrations, docs, and the suite on every backend and Django series
-test: lint typecheck migrations-check docs test-django52 test-django6 test-reliability
+test: lint typecheck migrations-check docs $(VENV)/.installed $(VENV_DJANGO6)/.installed
+	rm -f .coverage .coverage.*
+	$(RUN_PASSES) $(TEST_PASSES)
 	$(VENV)/bin/coverage combine --quiet
 	$(VENV)/bin/coverage report --fail-under=$(COVERAGE_FLOOR)
 
@@ -90,27 +106,26 @@ migrations-check: $(VENV)/.installed
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
+## test-django52, test-django6: the suite on each database with one Django series
 test-django52: $(VENV)/.installed
-	rm -f .coverage .coverage.*
-	for db in sqlite postgresql mariadb; do \
-		echo "== Django 5.2 / $$db"; \
-		TEST_DATABASE=$$db COVERAGE_FILE=.coverage.dj52.$$db $(VENV)/bin/$(PYTEST) \
-			--cov=django_idempotency --cov-report= -m "not reliability" || exit 1; \
-	done
+	$(RUN_PASSES) test-dj52-sqlite test-dj52-postgresql test-dj52-mariadb
 
 test-django6: $(VENV_DJANGO6)/.installed
-	for db in sqlite postgresql; do \
-		echo "== Django 6 / $$db"; \
-		TEST_DATABASE=$$db COVERAGE_FILE=.coverage.dj6.$$db $(VENV_DJANGO6)/bin/$(PYTEST) \
-			--cov=django_idempotency --cov-report= -m "not reliability" || exit 1; \
-	done
+	$(RUN_PASSES) test-dj6-postgresql test-dj6-sqlite
+
+## test-dj52-sqlite (and -postgresql, -mariadb; test-dj6-sqlite, -postgresql): one pass, in the
+## terminal, on the database the environment names
+test-dj52-sqlite test-dj52-postgresql test-dj52-mariadb: test-dj52-%: $(VENV)/.installed
+	$(call pytest-pass,$(VENV),$*,dj52.$*,-m "not reliability")
+
+test-dj6-sqlite test-dj6-postgresql: test-dj6-%: $(VENV_DJANGO6)/.installed
+	$(call pytest-pass,$(VENV_DJANGO6),$*,dj6.$*,-m "not reliability")
 
 ## test-reliability: load, faults, hostile input and the state machine (tests/reliability)
 # On PostgreSQL only: the faults restart private PostgreSQL, Redis and RabbitMQ instances that
 # the suite starts itself, so the shared services are never touched.
 test-reliability: $(VENV)/.installed
-	TEST_DATABASE=postgresql COVERAGE_FILE=.coverage.reliability $(VENV)/bin/$(PYTEST) \
-		--cov=django_idempotency --cov-report= -m reliability tests/reliability
+	$(call pytest-pass,$(VENV),postgresql,reliability,-m reliability tests/reliability)
 
 ## chaos: the demo under load while workers, the database, Redis and the relay are killed; a table
 # On PostgreSQL, then on MariaDB, each a private server of the run's own with a private Redis

@@ -8,7 +8,9 @@ fails here as it would offline. Screenshots go to ``artifacts/browser/`` (git-ig
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,16 @@ def chromium(tmp_path: Path, width: int = 1400, height: int = 1000) -> Iterator[
         yield driver
     finally:
         driver.quit()
+
+
+def save_screenshot(driver: Any, name: str) -> None:
+    """The page as ``artifacts/browser/<name>.png``, written whole: passes of ``make test`` that
+    run side by side save the same names, and a reader must find one of them, never a mix."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    target = ARTIFACTS / f"{name}.png"
+    with tempfile.NamedTemporaryFile(dir=ARTIFACTS, prefix=f".{name}-", delete=False) as part:
+        part.write(driver.get_screenshot_as_png())
+    os.replace(part.name, target)
 
 
 def wait_for(driver: Any, css: str, timeout: float = 30) -> Any:

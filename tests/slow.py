@@ -19,8 +19,22 @@ import pytest
 from tests.settings import TEST_DATABASE
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Files of the checkout that never belong in a copy of it.
-NOT_SOURCES = (".git", ".venv*", "build", "dist", "site", "artifacts", "*.egg-info", "__pycache__")
+#: Files of the checkout that never belong in a copy of it. Besides being no sources, the
+#: coverage data and the caches change while it is copied: the other passes of ``make test``,
+#: running side by side, write and remove their ``.coverage.*`` files in the checkout.
+NOT_SOURCES = (
+    ".git",
+    ".venv*",
+    "build",
+    "dist",
+    "site",
+    "artifacts",
+    "*.egg-info",
+    "__pycache__",
+    ".coverage*",
+    ".hypothesis",
+    ".*_cache",
+)
 
 
 def oldest_django_series() -> tuple[int, int]:

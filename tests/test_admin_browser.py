@@ -23,10 +23,10 @@ from django.utils import timezone
 from django_idempotency.core.failures import fingerprint_of
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
 from tests.browser_support import (
-    ARTIFACTS,
     LAPTOP_WIDTH,
     chromium,
     clipped,
+    save_screenshot,
     set_width,
     wait_for,
 )
@@ -49,7 +49,7 @@ def screenshot(browser: Any, name: str, height: int | None = None) -> None:
     size = browser.get_window_size()
     if height:
         browser.set_window_size(size["width"], height)
-    browser.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+    save_screenshot(browser, name)
     if height:
         browser.set_window_size(size["width"], size["height"])
 
@@ -99,7 +99,7 @@ def assert_nothing_cut_off(browser: Any, what: str) -> None:
     """Every column of a changelist and every field of a change page lies within the page."""
     cut = clipped(browser)
     if cut:
-        browser.save_screenshot(str(ARTIFACTS / f"cut-off-{what.replace(' ', '-')}.png"))
+        save_screenshot(browser, f"cut-off-{what.replace(' ', '-')}")
     assert cut == [], f"cut off on the right of {what} at {LAPTOP_WIDTH} px"
 
 

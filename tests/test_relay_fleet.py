@@ -162,3 +162,22 @@ def test_a_relay_that_only_drains_takes_no_seat():
         relay.drain()
         assert fleet(connection.alias) == 0
     assert all_published()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "records"])
+def test_relays_of_another_database_on_the_server_are_not_counted():
+    """Seats are a database's: the relays of another database on the same server (another
+    service's outbox, another test run) are no part of this outbox's fleet, whereas the server
+    shows every database's advisory locks (PostgreSQL) and ``GET_LOCK`` names are the server's
+    (MariaDB/MySQL)."""
+    from django_idempotency.outbox.presence import Seat, seat_connection, take_seat
+
+    elsewhere, here = seat_connection("records"), seat_connection(connection.alias)
+    try:
+        assert take_seat(elsewhere) == Seat(number=0, rank=0, fleet=1)
+        assert fleet(connection.alias) == 0
+        assert take_seat(here) == Seat(number=0, rank=0, fleet=1)
+        assert fleet(connection.alias) == fleet("records") == 1
+    finally:
+        elsewhere.close()
+        here.close()

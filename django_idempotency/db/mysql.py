@@ -19,6 +19,7 @@ __all__ = [
     "KEY_HASH",
     "relay_seats",
     "relays_gone",
+    "TAKE_RELAY_SEAT",
     "NOW",
     "lock_outbox_key",
     "now_plus",
@@ -48,10 +49,18 @@ def relays_gone(count: int) -> str:
     return "SELECT " + ", ".join(["IS_FREE_LOCK(%s)"] * count)
 
 
+#: A relay seat's lock name, its number the parameter. ``GET_LOCK`` names are the server's, not
+#: the database's: the name carries the database (a digest, for names are at most 64
+#: characters), so relays of other databases on the same server are not counted in the fleet.
+_SEAT_NAME = "CONCAT('outbox-relay-seat:', MD5(DATABASE()), ':', %s)"
+#: Take seat ``%s`` if it is free: 1 when taken, 0 when another session holds it.
+TAKE_RELAY_SEAT = f"SELECT GET_LOCK({_SEAT_NAME}, 0)"
+
+
 def relay_seats(count: int) -> str:
-    """One row: the connection holding each of ``count`` seat names (NULL: free), then this
-    session's connection id."""
-    return "SELECT " + ", ".join(["IS_USED_LOCK(%s)"] * count) + ", CONNECTION_ID()"
+    """One row: the connection holding each of seats ``0 .. count - 1``, each its number as a
+    parameter (NULL: free), then this session's connection id."""
+    return "SELECT " + ", ".join([f"IS_USED_LOCK({_SEAT_NAME})"] * count) + ", CONNECTION_ID()"
 
 
 #: A stable integer hash of an event key, for sharing keys between relays.

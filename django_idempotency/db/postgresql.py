@@ -237,9 +237,13 @@ RELAYS_GONE = (
 #: Relay seats: each running relay holds one session lock of this class, ``objid`` its seat
 #: number, so the relays can count themselves and each knows its rank among them.
 RELAY_SEAT_CLASS = 1_638_184_611
-#: The seats held: each one's number, its session, and whether that session is this one.
+#: The seats held in this database: each one's number, its session, and whether that session is
+#: this one. An advisory lock belongs to its database, but ``pg_locks`` shows the whole server's:
+#: without the ``database`` condition, the relays of every database on the server would count as
+#: one fleet (and each would take only its share of the keys of its own outbox).
 RELAY_SEATS = (
     "SELECT objid::int4, pid, pid = pg_backend_pid() FROM pg_locks WHERE locktype = 'advisory' "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
     f"AND classid = {RELAY_SEAT_CLASS}::oid AND objsubid = 2 AND granted ORDER BY objid"
 )
 TAKE_RELAY_SEAT = f"SELECT pg_try_advisory_lock({RELAY_SEAT_CLASS}, %s)"

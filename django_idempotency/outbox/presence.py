@@ -13,10 +13,11 @@ own batch that way on its first pass, as does any other relay.
 
 Relays also hold a *seat* each, numbered from 0: a session lock on a connection of the relay's
 own, kept for as long as the relay runs (its ordinary connection may close between passes, as
-``CONN_MAX_AGE`` says). Counting the seats held tells a relay how many relays run and its rank
-among them, which is how they share the keys (see ``Relay._claim``). A relay that stops or dies
-leaves its seat with that connection, and the others' ranks and count change at their next
-look, within a second.
+``CONN_MAX_AGE`` says). Counting the seats held in its database tells a relay how many relays
+run on that outbox and its rank among them, which is how they share the keys (see
+``Relay._claim``); relays of other databases on the same server are not counted. A relay
+that stops or dies leaves its seat with that connection, and the others' ranks and count change
+at their next look, within a second.
 
 The lease stays the fallback: on SQLite, when ``TAKE_OVER_DEAD_OWNERS`` is off (behind a pooler
 that does not keep sessions, PgBouncer in transaction mode), and for a relay that is alive but
@@ -116,10 +117,6 @@ class Seat:
     fleet: int
 
 
-def _seat_name(number: int) -> str:
-    return f"outbox-relay-seat:{number}"
-
-
 def take_seat(connection: BaseDatabaseWrapper) -> Seat | None:
     """Hold a seat on this connection, or keep the one it holds, and say where it ranks;
     ``None`` when every seat is taken. One round trip when the seat is already held.
@@ -145,13 +142,12 @@ def take_seat(connection: BaseDatabaseWrapper) -> Seat | None:
                 else:
                     return None
         else:
-            names = [_seat_name(number) for number in range(SEATS)]
-            cursor.execute(mysql.relay_seats(SEATS), names)
+            cursor.execute(mysql.relay_seats(SEATS), list(range(SEATS)))
             *holders, me = cursor.fetchone()
             held = [(seat, holder) for seat, holder in enumerate(holders) if holder is not None]
             if me not in holders:
                 for seat in (number for number, holder in enumerate(holders) if holder is None):
-                    cursor.execute(mysql.HOLD_OWNER_LOCK, [names[seat]])
+                    cursor.execute(mysql.TAKE_RELAY_SEAT, [seat])
                     if cursor.fetchone()[0] == 1:
                         held.append((seat, me))
                         break
@@ -171,7 +167,7 @@ def fleet(using: str) -> int:
         if connection.vendor == "postgresql":
             cursor.execute(postgresql.RELAY_SEATS)
             return len({holder for _, holder, _ in cursor.fetchall()})
-        cursor.execute(mysql.relay_seats(SEATS), [_seat_name(n) for n in range(SEATS)])
+        cursor.execute(mysql.relay_seats(SEATS), list(range(SEATS)))
         *holders, _ = cursor.fetchone()
         return len({holder for holder in holders if holder is not None})
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser_support import ARTIFACTS, chromium, wait_for
+from tests.browser_support import chromium, save_screenshot, wait_for
 from tests.demo.conftest import DemoServer
 
 pytestmark = pytest.mark.browser
@@ -75,7 +75,7 @@ def test_the_html_form_pays_once_and_its_resubmission_replays(
     # The field sits above the forms, outside every form, and has no name: never in a body.
     assert field.get_attribute("name") in (None, "")
     assert not browser.find_elements(By.CSS_SELECTOR, "form #idempotency-key")
-    browser.save_screenshot(str(ARTIFACTS / "browsable-api-form.png"))
+    save_screenshot(browser, "browsable-api-form")
 
     pay_with_the_html_form(browser)
     assert answer_status(browser, "POST", field) == "HTTP 201 Created"
@@ -91,7 +91,7 @@ def test_the_html_form_pays_once_and_its_resubmission_replays(
     assert answer_status(browser, "POST", field) == "HTTP 201 Created"
     note = wait_for(browser, "#idempotency-key-note").text
     assert note.startswith("Replayed:") and key in note
-    browser.save_screenshot(str(ARTIFACTS / "browsable-api-replayed.png"))
+    save_screenshot(browser, "browsable-api-replayed")
     assert stored(demo_server, key) == "1 [('COMPLETED', 'POST')]"
 
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import drf_spectacular_sidecar
 import pytest
 
-from tests.browser_support import ARTIFACTS, chromium, requested_urls, wait_for
+from tests.browser_support import chromium, requested_urls, save_screenshot, wait_for
 from tests.demo.conftest import DemoServer
 
 SIDECAR_STATIC = Path(drf_spectacular_sidecar.__file__).parent / "static"
@@ -63,7 +63,7 @@ def test_swagger_ui_shows_the_api_without_internet(demo_server: DemoServer, brow
     wait_for(browser, ".opblock-summary-path")
     operations = browser.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")
     assert "/api/v1/payments/" in {operation.text.strip() for operation in operations}
-    browser.save_screenshot(str(ARTIFACTS / "swagger-ui.png"))
+    save_screenshot(browser, "swagger-ui")
     urls = requested_urls(browser)
     assert urls
     assert [url for url in urls if not url.startswith(f"{demo_server.url}/")] == []
