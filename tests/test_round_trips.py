@@ -365,3 +365,65 @@ def test_an_acknowledgement_fenced_out_changes_nothing_in_its_one_statement(
     assert (stats.published, stats.lost) == (0, 2)
     assert not OutboxEvent.objects.published().exists()
     assert _relay_locks_held() == 0
+
+
+def _claim_buffers(depth: int) -> int:
+    """Pages one relay claim reads (PostgreSQL's shared buffers, hit or read) over an outbox of
+    4 keys, each ``depth`` events deep, every event at ``transaction_id`` 0 as ``publish()``
+    writes them: the claim the relay sends, captured and run again under ``EXPLAIN``."""
+    from django_idempotency.models import OutboxEvent
+    from django_idempotency.outbox.relay import Relay
+
+    table = connection.ops.quote_name(OutboxEvent._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(f"DELETE FROM {table}")
+        cursor.execute(
+            f"INSERT INTO {table} (event_id, topic, key, payload, headers, status, attempts, "
+            "next_attempt_at, last_error, transaction_id, created_at) "
+            "SELECT gen_random_uuid(), 'orders.paid', 'account-' || (n %% 4), '{}'::jsonb, "
+            "'{}'::jsonb, 'PENDING', 0, now(), '', 0, now() FROM generate_series(1, %s) AS n",
+            [4 * depth],
+        )
+        cursor.execute(f"ANALYZE {table}")
+    sent: list[str] = []
+
+    def capture(execute, sql, params, many, context):
+        sent.append(sql)
+        return execute(sql, params, many, context)
+
+    relay = Relay(batch_size=40)
+    try:
+        with contextlib.suppress(_RolledBack), transaction.atomic():
+            with connection.execute_wrapper(capture):
+                claimed, _ = relay._claim()
+            assert len(claimed) == 40
+            raise _RolledBack
+        (claim,) = [sql for sql in sent if "WITH" in sql]
+        statement = claim.split("; ", 1)[1]  # after the plan's pin, sent in the same message
+        with contextlib.suppress(_RolledBack), transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT set_config('enable_sort', 'off', true)")
+                cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {statement}")
+                (plan,) = cursor.fetchone()[0]
+            raise _RolledBack
+    finally:
+        relay.close()
+        with connection.cursor() as cursor:  # the batch's relay lock outlives the rollback
+            cursor.execute("SELECT pg_advisory_unlock_all()")
+    top = plan["Plan"]
+    return int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"])
+
+
+class _RolledBack(Exception):
+    pass
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's index ranges")
+@pytest.mark.django_db(transaction=True)
+def test_a_relay_claim_reads_no_more_for_deep_keys_than_for_shallow_ones():
+    """The claim checks, for each candidate, that no earlier event of its key is held. Each
+    check reads the range of the key's index up to the candidate, not the whole key: with every
+    event at ``transaction_id`` 0, one row comparison ``(transaction_id, id) < (…)`` read every
+    pending event of the key (PostgreSQL stops an index range on its first column only)."""
+    shallow, deep = _claim_buffers(50), _claim_buffers(2000)
+    assert deep < 1.5 * shallow, (shallow, deep)
