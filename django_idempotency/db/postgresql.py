@@ -27,6 +27,9 @@ __all__ = [
     "LET_GO_OF_RELAY_LOCK",
     "OWNER_GONE",
     "OWNER_LOCK_CLASS",
+    "RECORD_KEY_LOCK",
+    "RECORD_KEY_LOCK_CLASS",
+    "fetch_in_one_message",
     "with_owner_lock_released",
     "before_outbox_insert",
     "ACK_COLUMNS",
@@ -73,6 +76,25 @@ HOLD_OWNER_LOCK = f"pg_try_advisory_lock({OWNER_LOCK_CLASS}, %(owner_lock)s)"
 LET_GO_OF_OWNER_LOCK = f"pg_advisory_unlock({OWNER_LOCK_CLASS}, %(owner_lock)s)"
 
 
+#: Class id of the per-key locks of a partitioned records table (docs/operations.md): each claim
+#: takes its key's lock, for its transaction, before it looks the key up.
+RECORD_KEY_LOCK_CLASS = 1_638_184_612
+
+#: The claim's key lock on a partitioned records table (named parameters ``scope`` and ``key``).
+#: PostgreSQL cannot enforce ``(scope, key)`` across partitions (a unique index on a partitioned
+#: table must include the partition column), so every claim of a key takes this lock first, and
+#: the claim's lookup runs as a *later* statement of the same transaction: under READ COMMITTED a
+#: statement's snapshot is taken when it starts, so only a statement that starts after the lock
+#: is granted sees the row of a claim that committed while this one waited. (A lock taken inside
+#: the claim statement itself, in a CTE, would come after that statement's snapshot.) The scope's
+#: length goes into the hash so ``("a b", "c")`` and ``("a", "b c")`` hash different texts; a
+#: collision of the 32-bit hash only makes two keys take turns, it never merges them.
+RECORD_KEY_LOCK = (
+    f"SELECT pg_advisory_xact_lock({RECORD_KEY_LOCK_CLASS}, "
+    f"hashtext(length(%(scope)s)::text || ':' || %(scope)s || %(key)s))"
+)
+
+
 def with_owner_lock_released(statement: str) -> str:
     """``statement`` (an UPDATE or DELETE with ``RETURNING 1``, positional parameters) and the
     owner lock's release, in one round trip: one more parameter, the lock id, comes last. The
@@ -98,6 +120,7 @@ def claim_statement(
     returned: Sequence[str] = (),
     owner_lock: bool = False,
     asynchronous_commit: bool = False,
+    partitioned: bool = False,
 ) -> str:
     """The claim as one statement: insert, take over, reuse an expired record, or read it.
 
@@ -131,6 +154,16 @@ def claim_statement(
     WAL flush. That loses nothing: the business transaction that completes the record commits
     synchronously, which flushes the WAL up to its own commit and so the claim's records before
     it; a claim lost in a crash before that guarded no effect, and its retry claims afresh.
+
+    ``partitioned``: the statement for a records table partitioned by ``created_at``, which
+    runs after :data:`RECORD_KEY_LOCK` in the same transaction (the lock, not a unique index,
+    keeps two claims of a key apart across partitions). There is no ``ON CONFLICT``: no unique
+    index on the partitioned table matches ``(scope, key)``. An expired record is deleted and
+    the new one inserted, so it lands in the partition of its own claim time and the old
+    partition holds nothing live any more; the insert happens only if the delete did delete
+    (or there was no record), because the delete re-checks expiry on the row's latest version
+    and an owner may have completed it meanwhile. A takeover of a stale record (the same
+    request) updates it in place: it keeps its first claim time, and so its partition.
     """
 
     # Every reference goes through one short alias: psycopg caches its parse of a statement's
@@ -174,16 +207,34 @@ def claim_statement(
         if asynchronous_commit
         else "true"
     )
+    if partitioned:
+        # Under the key lock: no other claim of this key runs, so the snapshot's "no record" is
+        # still true when the INSERT runs, and the per-partition unique index only backs it up.
+        first = (
+            f"WITH deleted AS (DELETE FROM {table} AS r WHERE {key} AND {expired} RETURNING 1), "
+            f"inserted AS ("
+            f"INSERT INTO {table} AS r ({', '.join(column(name) for name in names)}) "
+            f"SELECT {', '.join(inserted(name) for name in names)} "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {table} AS r WHERE {key}) "
+            f"OR EXISTS (SELECT 1 FROM deleted) "
+            f"RETURNING {row}, {claimed} AS claimed), "
+        )
+        taken_over = f"{stale} AND NOT {expired}"
+    else:
+        first = (
+            f"WITH inserted AS ("
+            f"INSERT INTO {table} AS r ({', '.join(column(name) for name in names)}) "
+            f"SELECT {', '.join(inserted(name) for name in names)} "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {table} AS r WHERE {key}) "
+            f"ON CONFLICT ({column('scope')}, {column('key')}) DO NOTHING "
+            f"RETURNING {row}, {claimed} AS claimed), "
+        )
+        taken_over = f"({expired} OR {stale})"
     return (
-        f"WITH inserted AS ("
-        f"INSERT INTO {table} AS r ({', '.join(column(name) for name in names)}) "
-        f"SELECT {', '.join(inserted(name) for name in names)} "
-        f"WHERE NOT EXISTS (SELECT 1 FROM {table} AS r WHERE {key}) "
-        f"ON CONFLICT ({column('scope')}, {column('key')}) DO NOTHING "
-        f"RETURNING {row}, {claimed} AS claimed), "
+        f"{first}"
         f"reclaimed AS ("
         f"UPDATE {table} AS r SET {', '.join(assignments)} "
-        f"WHERE {key} AND ({expired} OR {stale}) "
+        f"WHERE {key} AND {taken_over} "
         f"RETURNING {row}, {claimed} AS claimed) "
         f"SELECT *, {NOW} AS database_now, {lock_held} AS owner_lock FROM inserted UNION ALL "
         f"SELECT *, {NOW} AS database_now, {lock_held} AS owner_lock FROM reclaimed UNION ALL "
@@ -454,6 +505,30 @@ def fetch_outbox_claim(
             cursor.nextset()
         rows: list[tuple[Any, ...]] = cursor.fetchall()
     return rows
+
+
+def fetch_in_one_message(
+    connection: BaseDatabaseWrapper, first: str, statement: str, params: Mapping[str, Any]
+) -> tuple[tuple[Any, ...] | None, list[str]]:
+    """Run ``first`` then ``statement`` (named parameters, shared) as one transaction in one
+    round trip, and return the second's first row and column names.
+
+    A message of the simple query protocol with two statements runs them in one implicit
+    transaction, each statement with a snapshot of its own (READ COMMITTED): what the claim of
+    a partitioned table needs after its key lock (:data:`RECORD_KEY_LOCK`), without a BEGIN and
+    a COMMIT of their own. Only for a connection in autocommit: inside an open transaction the
+    two simply run in it. Parameters are bound on the client, as in :func:`fetch_outbox_claim`.
+    """
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3, mogrify
+
+    text = mogrify(f"{first}; {statement}", params, connection)
+    with connection.cursor() as cursor:
+        cursor.execute(text)
+        if is_psycopg3:  # psycopg 3 starts at the first statement's result, psycopg2 has the last
+            cursor.nextset()
+        row: tuple[Any, ...] | None = cursor.fetchone()
+        names = [column.name for column in cursor.description or ()]
+    return row, names
 
 
 def outbox_ack_statement(

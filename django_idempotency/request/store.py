@@ -54,6 +54,7 @@ from django_idempotency.core.types import (
 )
 from django_idempotency.db import database_now, dialect, prepared, to_datetime
 from django_idempotency.db import postgresql as pg
+from django_idempotency.exceptions import PartitionMissing
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.querysets import expired_q, stale_q
 from django_idempotency.request import presence
@@ -97,9 +98,9 @@ def claim(
     this key; the lease granted carries them, so its heartbeat and completion use them too.
     """
     using = database_alias()
-    claim_round = (
-        _claim_postgresql if connections[using].vendor == "postgresql" else _claim_portable
-    )
+    claim_round = _claim_portable
+    if connections[using].vendor == "postgresql":
+        claim_round = _claim_partitioned if conf.RECORD_PARTITIONS else _claim_postgresql
     terms = _Terms(lease_seconds, ttl_seconds)
     for _ in range(CLAIM_ROUNDS):
         decision = claim_round(identity, using, owner_token, terms)
@@ -399,6 +400,59 @@ def _claim_postgresql(
 ) -> Decision | None:
     """One statement (``db/postgresql.py``): claimed, or the row and the time to judge it by."""
     connection = connections[using]
+    params = _claim_params(identity, using, owner_token, terms)
+    owner_lock = presence.enabled(using)
+    # A plain cursor rather than .raw(): this runs on every write request, and building the row
+    # by hand costs a fraction of RawQuerySet's column resolution.
+    with prepared.cursor(connection) as cursor:
+        statement = _postgresql_claim_text(using, owner_lock, not connection.in_atomic_block)
+        cursor.execute(statement, params)
+        row = cursor.fetchone()
+        names = [column.name for column in cursor.description or ()]
+    return _claimed_or_judged(identity, using, owner_token, terms, row, names)
+
+
+def _claim_partitioned(
+    identity: Identity, using: str, owner_token: uuid.UUID, terms: _Terms
+) -> Decision | None:
+    """The claim on a records table partitioned by day (``RECORD_PARTITIONS``): the key's lock,
+    then the claim statement, in one transaction (``pg.RECORD_KEY_LOCK`` says why two).
+
+    In autocommit both go in one message, one round trip; inside a caller's transaction they
+    run in it, and the key's lock is held until it ends. A claim whose time falls in no
+    partition fails with :class:`PartitionMissing`, having written nothing: there is no
+    default partition for it to land in unseen.
+    """
+    connection = connections[using]
+    params = _claim_params(identity, using, owner_token, terms)
+    owner_lock = presence.enabled(using)
+    own_transaction = not connection.in_atomic_block
+    statement = _postgresql_claim_text(using, owner_lock, own_transaction, partitioned=True)
+    try:
+        if own_transaction:
+            row, names = pg.fetch_in_one_message(connection, pg.RECORD_KEY_LOCK, statement, params)
+        else:
+            with prepared.cursor(connection) as cursor:
+                cursor.execute(pg.RECORD_KEY_LOCK, params)
+                cursor.execute(statement, params)
+                row = cursor.fetchone()
+                names = [column.name for column in cursor.description or ()]
+    except IntegrityError as exc:
+        if "no partition of relation" in str(exc):
+            raise PartitionMissing(
+                f"No partition of {IdempotencyRecord._meta.db_table} covers this claim's time "
+                f"(IDEMPOTENCY['RECORD_PARTITIONS'] is on). Create the partitions ahead: run "
+                f"`manage.py idempotency_partitions create` now, and schedule it (or the "
+                f"maintain_record_partitions task) daily."
+            ) from exc
+        raise
+    return _claimed_or_judged(identity, using, owner_token, terms, row, names)
+
+
+def _claim_params(
+    identity: Identity, using: str, owner_token: uuid.UUID, terms: _Terms
+) -> dict[str, Any]:
+    connection = connections[using]
     values: dict[str, Any] = {
         "scope": identity.scope,
         "key": identity.key,
@@ -412,15 +466,19 @@ def _claim_postgresql(
     }
     params["lease_seconds"] = terms.lease_seconds
     params["expiry_seconds"] = terms.lease_seconds + terms.ttl_seconds
-    owner_lock = presence.enabled(using)
     params["owner_lock"] = presence.lock_id(owner_token)
-    # A plain cursor rather than .raw(): this runs on every write request, and building the row
-    # by hand costs a fraction of RawQuerySet's column resolution.
-    with prepared.cursor(connection) as cursor:
-        statement = _postgresql_claim_text(using, owner_lock, not connection.in_atomic_block)
-        cursor.execute(statement, params)
-        row = cursor.fetchone()
-        names = [column.name for column in cursor.description or ()]
+    return params
+
+
+def _claimed_or_judged(
+    identity: Identity,
+    using: str,
+    owner_token: uuid.UUID,
+    terms: _Terms,
+    row: Any,
+    names: list[str],
+) -> Decision | None:
+    """The claim statement's row: the lease it won, or the state machine's decision on it."""
     if row is None:
         return None
     *columns, claimed, now, held = row
@@ -459,7 +517,9 @@ _CLAIM_LITERALS = {
 
 
 @functools.lru_cache(maxsize=16)
-def _postgresql_claim_text(using: str, owner_lock: bool, own_transaction: bool) -> str:
+def _postgresql_claim_text(
+    using: str, owner_lock: bool, own_transaction: bool, partitioned: bool = False
+) -> str:
     """The claim statement; its text depends only on the connection, so it is built once.
 
     Only a claim that is its own transaction commits asynchronously: inside a caller's open
@@ -475,6 +535,7 @@ def _postgresql_claim_text(using: str, owner_lock: bool, own_transaction: bool) 
         returned=[quote(_column(name)) for name in _concrete_names()],
         owner_lock=owner_lock,
         asynchronous_commit=own_transaction,
+        partitioned=partitioned,
     )
 
 
