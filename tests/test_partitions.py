@@ -471,3 +471,24 @@ def partitioned_once(partitioned: Callable[..., datetime]) -> None:
         if partitions.partition_name(start) not in {part.name for part in partitions.partitions()}:
             partitions.create_partition(start, end)
         start = end
+
+
+# --- the system checks, on the real table -----------------------------------------------------
+
+
+def test_the_checks_see_the_layout_and_the_missing_next_partition(partitioned):
+    from django_idempotency import checks
+
+    def found() -> set[str]:
+        storage = [check for check in checks.STORAGE_CHECKS if "database" in check.tags]
+        return {message.id for check in storage for message in check(databases=["default"])}
+
+    assert found() == {checks.W080}  # the setting is on, the table still plain
+    bound = partitioned(database_now("default") + timedelta(hours=2))
+    assert found() == set()
+    for part in partitions.partitions()[1:]:
+        with connection.cursor() as cursor:
+            cursor.execute(f'ALTER TABLE "{TABLE}" DETACH PARTITION "{part.name}"')
+            cursor.execute(f'DROP TABLE "{part.name}"')
+    assert partitions.partitions()[-1].end == bound
+    assert found() == {checks.W081}
