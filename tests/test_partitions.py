@@ -492,3 +492,67 @@ def test_the_checks_see_the_layout_and_the_missing_next_partition(partitioned):
             cursor.execute(f'DROP TABLE "{part.name}"')
     assert partitions.partitions()[-1].end == bound
     assert found() == {checks.W081}
+
+
+# --- the command and the task -------------------------------------------------------------------
+
+
+def test_the_command_partitions_reports_and_moves_back(partitioned):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("idempotency_partitions", "status", stdout=out)
+    assert "not partitioned" in out.getvalue()
+    call_command("idempotency_partitions", "partition", "--bound", "+2h", stdout=out, verbosity=2)
+    assert "Validated it" in out.getvalue() and "Swapped" in out.getvalue()
+    assert partitions.is_partitioned()
+    out = StringIO()
+    call_command("idempotency_partitions", "status", stdout=out)
+    assert f"{LEGACY}  [MINVALUE, " in out.getvalue()
+    out = StringIO()
+    call_command("idempotency_partitions", "create", "--ahead-days", "8", stdout=out)
+    assert "created" in out.getvalue()
+    call_command("idempotency_partitions", "unpartition", stdout=out)
+    assert not partitions.is_partitioned()
+
+
+def test_the_command_refuses_to_drop_a_partition_with_live_records(
+    partitioned, idempotency_settings
+):
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    idempotency_settings(TTL_SECONDS=1, LEASE_SECONDS=1)
+    now = database_now("default")
+    live = plant(created_at=now - timedelta(hours=1), expires_at=now + timedelta(days=1))
+    bound = partitioned(now + timedelta(seconds=1))
+    wait_until(bound + timedelta(seconds=1.5))
+    err = StringIO()
+    with pytest.raises(CommandError, match="still hold live records"):
+        call_command("idempotency_partitions", "retention", stderr=err)
+    assert f"refused to drop {LEGACY}: it holds 1 live records" in err.getvalue()
+    IdempotencyRecord.objects.filter(pk=live.pk).update(expires_at=now)
+    out = StringIO()
+    call_command("idempotency_partitions", "retention", "--dry-run", stdout=out)
+    assert f"would drop {LEGACY}" in out.getvalue()
+    call_command("idempotency_partitions", "retention", stdout=out)
+    assert f"dropped {LEGACY}" in out.getvalue()
+    assert not IdempotencyRecord.objects.filter(pk=live.pk).exists()
+
+
+def test_the_beat_task_maintains_the_partitions(partitioned, idempotency_settings):
+    from django_idempotency import tasks
+
+    assert "django-idempotency-record-partitions" in tasks.BEAT_SCHEDULE
+    idempotency_settings(RECORD_PARTITIONS=False)
+    assert tasks.maintain_record_partitions.apply().get() == {"skipped": "RECORD_PARTITIONS is off"}
+    idempotency_settings(RECORD_PARTITIONS=True)
+    assert "skipped" in tasks.maintain_record_partitions.apply().get()  # still plain
+    partitioned()
+    idempotency_settings(PARTITION_AHEAD_DAYS=6)
+    result = tasks.maintain_record_partitions.apply().get()
+    assert result["created"] and result["refused"] == {} and result["dropped"] == []
+    assert tasks.maintain_record_partitions.apply().get()["created"] == []

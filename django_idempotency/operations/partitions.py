@@ -52,6 +52,7 @@ __all__ = [
     "create_partitions",
     "is_partitioned",
     "live_rows",
+    "maintain",
     "partition_table",
     "partitions",
     "unpartition_table",
@@ -329,6 +330,32 @@ def _drop_if_dead(using: str, part: Partition, now: datetime) -> RetentionOutcom
         return RetentionOutcome(part.name, "refused", live)
     logger.info("dropped partition %s", part.name, extra={"partition": part.name})
     return RetentionOutcome(part.name, "dropped")
+
+
+def maintain(*, dry_run: bool = False) -> dict[str, Any]:
+    """What the hourly task and ``idempotency_partitions maintain`` do: create the partitions
+    ahead, then apply retention. Nothing (``{"skipped": ...}``) unless ``RECORD_PARTITIONS`` is
+    on and the table is partitioned, so the task can sit in every project's beat schedule."""
+    using = _using()
+    if not conf.RECORD_PARTITIONS:
+        return {"skipped": "RECORD_PARTITIONS is off"}
+    if not is_partitioned(using):
+        logger.warning(
+            "RECORD_PARTITIONS is on but %s is not partitioned: run "
+            "`manage.py idempotency_partitions partition` (docs/operations.md)",
+            _table(),
+        )
+        return {"skipped": "the records table is not partitioned"}
+    created = create_partitions(dry_run=dry_run)
+    outcomes = apply_retention(dry_run=dry_run)
+    return {
+        "created": created,
+        "dropped": [outcome.partition for outcome in outcomes if outcome.action == "dropped"],
+        "due": [outcome.partition for outcome in outcomes if outcome.action == "due"],
+        "refused": {
+            outcome.partition: outcome.live for outcome in outcomes if outcome.action == "refused"
+        },
+    }
 
 
 # --- migration ---------------------------------------------------------------------------------
