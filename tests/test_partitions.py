@@ -556,3 +556,94 @@ def test_the_beat_task_maintains_the_partitions(partitioned, idempotency_setting
     result = tasks.maintain_record_partitions.apply().get()
     assert result["created"] and result["refused"] == {} and result["dropped"] == []
     assert tasks.maintain_record_partitions.apply().get()["created"] == []
+
+
+# --- the migration under writes -----------------------------------------------------------------
+
+
+class Writers:
+    """Threads that claim and complete keys without pause (and claim every completed key
+    again, to replay it) until stopped; what they won and completed, and any error."""
+
+    def __init__(self, prefix: str, count: int = 3) -> None:
+        self.prefix = prefix
+        self.stop = threading.Event()
+        self.won: list[str] = []
+        self.completed: list[str] = []
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self.write, args=(n,)) for n in range(count)]
+
+    def __enter__(self) -> Writers:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+
+    def write(self, worker: int) -> None:
+        try:
+            for count in range(1_000_000):
+                if self.stop.is_set():
+                    break
+                key = f"{self.prefix}-{worker}-{count}"
+                decision = claim(key)
+                if not isinstance(decision, Proceed):
+                    self.errors.append(AssertionError(f"{key}: {decision}"))
+                    continue
+                self.won.append(key)
+                if count % 2:
+                    with transaction.atomic():
+                        assert store.complete(decision.lease, StoredResponse(201, [], b"ok"))
+                    self.completed.append(key)
+                    assert isinstance(claim(key), Replay)
+        except BaseException as exc:
+            self.errors.append(exc)
+        finally:
+            connection.close()
+
+    def check(self) -> None:
+        """Every key won is there exactly once, completed as the writer left it."""
+        assert self.errors == []
+        rows = IdempotencyRecord.objects.filter(key__startswith=f"{self.prefix}-")
+        assert rows.count() == len(self.won)
+        statuses = dict(rows.values_list("key", "status"))
+        assert set(statuses) == set(self.won)
+        done = {key for key, status in statuses.items() if status == COMPLETED}
+        assert done == set(self.completed)
+
+
+def test_the_move_to_partitions_loses_and_duplicates_nothing_while_writes_go_on(partitioned):
+    with Writers("forward") as writers:
+        time.sleep(0.5)
+        before = len(writers.won)
+        started = time.monotonic()
+        partitioned(database_now("default") + timedelta(hours=2))
+        took = time.monotonic() - started
+        during = len(writers.won)
+        time.sleep(0.5)
+    assert 0 < before < during < len(writers.won)  # writes went on before, during and after
+    print(f"{len(writers.won)} keys written, {before} before the move, which took {took:.2f} s")
+    writers.check()
+
+
+def test_the_move_back_loses_and_duplicates_nothing_while_writes_wait(partitioned):
+    partitioned(database_now("default") + timedelta(hours=2))
+    now = database_now("default")
+    for _ in range(200):
+        plant(created_at=now - timedelta(hours=1), expires_at=now + timedelta(hours=1))
+    with Writers("backward") as writers:
+        time.sleep(0.5)
+        before = len(writers.won)
+        waited = partitions.unpartition_table()
+        time.sleep(0.5)
+    assert 0 < before < len(writers.won)
+    assert not partitions.is_partitioned()
+    print(
+        f"{len(writers.won)} keys written, {before} before the move back, "
+        f"which stopped writes for {waited:.3f} s"
+    )
+    writers.check()
+    assert IdempotencyRecord.objects.count() == 200 + len(writers.won)
