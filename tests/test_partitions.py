@@ -194,10 +194,12 @@ def test_a_claim_waiting_on_the_key_lock_sees_a_winner_in_the_partition_before(p
     assert partition_of(key) == [LEGACY]
 
 
-def test_without_the_key_lock_the_same_race_wins_twice(partitioned, monkeypatch):
+def test_without_the_key_lock_the_same_race_wins_twice(partitioned, monkeypatch, request):
     """The control: with the key lock made a no-op, the race above claims one key twice, one
     row in each partition. (So the test above has teeth.)"""
-    monkeypatch.setattr(pg, "RECORD_KEY_LOCK", "SELECT %(scope)s, %(key)s")
+    monkeypatch.setattr(pg, "KEY_LOCK_STEP", "")
+    store._claim_function_text.cache_clear()  # a claim function of its own, without the lock
+    request.addfinalizer(store._claim_function_text.cache_clear)
     bound = partitioned(database_now("default") + timedelta(seconds=2))
     key = f"unlocked-{uuid.uuid4()}"
     second: list[Decision] = []

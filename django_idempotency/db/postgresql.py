@@ -7,6 +7,7 @@ why it is not needed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,9 +28,10 @@ __all__ = [
     "LET_GO_OF_RELAY_LOCK",
     "OWNER_GONE",
     "OWNER_LOCK_CLASS",
-    "RECORD_KEY_LOCK",
+    "KEY_LOCK_STATEMENT",
+    "KEY_LOCK_STEP",
     "RECORD_KEY_LOCK_CLASS",
-    "fetch_in_one_message",
+    "claim_function",
     "with_owner_lock_released",
     "before_outbox_insert",
     "ACK_COLUMNS",
@@ -80,19 +82,56 @@ LET_GO_OF_OWNER_LOCK = f"pg_advisory_unlock({OWNER_LOCK_CLASS}, %(owner_lock)s)"
 #: takes its key's lock, for its transaction, before it looks the key up.
 RECORD_KEY_LOCK_CLASS = 1_638_184_612
 
-#: The claim's key lock on a partitioned records table (named parameters ``scope`` and ``key``).
-#: PostgreSQL cannot enforce ``(scope, key)`` across partitions (a unique index on a partitioned
-#: table must include the partition column), so every claim of a key takes this lock first, and
-#: the claim's lookup runs as a *later* statement of the same transaction: under READ COMMITTED a
+#: The first step of the partitioned claim (:func:`claim_function`): its key's lock, for the
+#: transaction. PostgreSQL cannot enforce ``(scope, key)`` across partitions (a unique index on
+#: a partitioned table must include the partition column), so every claim of a key takes this
+#: lock first, and the claim's lookup runs as a *later* statement: under READ COMMITTED a
 #: statement's snapshot is taken when it starts, so only a statement that starts after the lock
 #: is granted sees the row of a claim that committed while this one waited. (A lock taken inside
-#: the claim statement itself, in a CTE, would come after that statement's snapshot.) The scope's
-#: length goes into the hash so ``("a b", "c")`` and ``("a", "b c")`` hash different texts; a
-#: collision of the 32-bit hash only makes two keys take turns, it never merges them.
-RECORD_KEY_LOCK = (
+#: the claim statement itself, in a CTE, would come after that statement's snapshot.) The
+#: scope's length goes into the hash so ``("a b", "c")`` and ``("a", "b c")`` hash different
+#: texts; a collision of the 32-bit hash only makes two keys take turns, it never merges them.
+KEY_LOCK_STEP = (
+    f"PERFORM pg_advisory_xact_lock({RECORD_KEY_LOCK_CLASS}, "
+    f"hashtext(length(p_scope)::text || ':' || p_scope || p_key));"
+)
+#: The same lock as a statement of its own (named parameters ``scope`` and ``key``), for a
+#: claim inside a caller's transaction on a connection where the function is not there yet.
+KEY_LOCK_STATEMENT = (
     f"SELECT pg_advisory_xact_lock({RECORD_KEY_LOCK_CLASS}, "
     f"hashtext(length(%(scope)s)::text || ':' || %(scope)s || %(key)s))"
 )
+
+
+def claim_function(
+    name: str,
+    statement: str,
+    parameters: Sequence[tuple[str, str]],
+    returned: Sequence[tuple[str, str]],
+) -> tuple[str, str]:
+    """The partitioned claim as a server-side function: the DDL that creates it, and the
+    statement that calls it (named parameters, as ``statement``'s).
+
+    The function takes the key's lock (:data:`KEY_LOCK_STEP`) and then runs ``statement``.
+    A ``VOLATILE`` PL/pgSQL function takes a fresh snapshot for each statement it runs, so the
+    claim's lookup sees every claim of the key that committed while this one waited for the
+    lock: the guarantee of two statements, in one statement the client can prepare, with the
+    plans of both cached by the session (a partitioned table costs more to plan than to run).
+
+    ``parameters`` and ``returned`` are (name, SQL type) pairs: the function's arguments, in
+    the call's order, and its result columns, which must match ``statement``'s.
+    """
+    placeholder = re.compile(r"%\((\w+)\)s")
+    body = placeholder.sub(lambda match: f"p_{match[1]}", statement)
+    arguments = ", ".join(f"p_{arg} {sql_type}" for arg, sql_type in parameters)
+    result = ", ".join(f'"{column}" {sql_type}' for column, sql_type in returned)
+    ddl = (
+        f"CREATE OR REPLACE FUNCTION {name}({arguments}) RETURNS TABLE ({result}) "
+        f"LANGUAGE plpgsql VOLATILE AS $claim$\n#variable_conflict use_column\nBEGIN\n"
+        f"{KEY_LOCK_STEP}\nRETURN QUERY {body};\nEND\n$claim$"
+    )
+    call = ", ".join(f"CAST(%({arg})s AS {sql_type})" for arg, sql_type in parameters)
+    return ddl, f"SELECT * FROM {name}({call})"
 
 
 def with_owner_lock_released(statement: str) -> str:
@@ -156,9 +195,9 @@ def claim_statement(
     it; a claim lost in a crash before that guarded no effect, and its retry claims afresh.
 
     ``partitioned``: the statement for a records table partitioned by ``created_at``, which
-    runs after :data:`RECORD_KEY_LOCK` in the same transaction (the lock, not a unique index,
-    keeps two claims of a key apart across partitions). There is no ``ON CONFLICT``: no unique
-    index on the partitioned table matches ``(scope, key)``. An expired record is deleted and
+    runs after :data:`KEY_LOCK_STEP` in the same transaction (:func:`claim_function`): the
+    lock, not a unique index, keeps two claims of a key apart across partitions. There is no
+    ``ON CONFLICT``: no unique index on the partitioned table matches ``(scope, key)``. An expired record is deleted and
     the new one inserted, so it lands in the partition of its own claim time and the old
     partition holds nothing live any more; the insert happens only if the delete did delete
     (or there was no record), because the delete re-checks expiry on the row's latest version
@@ -505,30 +544,6 @@ def fetch_outbox_claim(
             cursor.nextset()
         rows: list[tuple[Any, ...]] = cursor.fetchall()
     return rows
-
-
-def fetch_in_one_message(
-    connection: BaseDatabaseWrapper, first: str, statement: str, params: Mapping[str, Any]
-) -> tuple[tuple[Any, ...] | None, list[str]]:
-    """Run ``first`` then ``statement`` (named parameters, shared) as one transaction in one
-    round trip, and return the second's first row and column names.
-
-    A message of the simple query protocol with two statements runs them in one implicit
-    transaction, each statement with a snapshot of its own (READ COMMITTED): what the claim of
-    a partitioned table needs after its key lock (:data:`RECORD_KEY_LOCK`), without a BEGIN and
-    a COMMIT of their own. Only for a connection in autocommit: inside an open transaction the
-    two simply run in it. Parameters are bound on the client, as in :func:`fetch_outbox_claim`.
-    """
-    from django.db.backends.postgresql.psycopg_any import is_psycopg3, mogrify
-
-    text = mogrify(f"{first}; {statement}", params, connection)
-    with connection.cursor() as cursor:
-        cursor.execute(text)
-        if is_psycopg3:  # psycopg 3 starts at the first statement's result, psycopg2 has the last
-            cursor.nextset()
-        row: tuple[Any, ...] | None = cursor.fetchone()
-        names = [column.name for column in cursor.description or ()]
-    return row, names
 
 
 def outbox_ack_statement(

@@ -7,7 +7,7 @@ no partition covers fails (:class:`~django_idempotency.exceptions.PartitionMissi
 landing somewhere retention would later drop unseen. Each partition carries its own primary key
 ``(id)`` and unique ``(scope, key)``; the parent has neither (PostgreSQL requires the partition
 column in a partitioned table's unique indexes), and uniqueness across partitions is the claim's
-key lock (``db/postgresql.py``, ``RECORD_KEY_LOCK``). The model's other indexes are partitioned
+key lock (``db/postgresql.py``, ``KEY_LOCK_STEP``). The model's other indexes are partitioned
 indexes on the parent, under the model's names.
 
 Three operations, each a plain function the management command and the Celery task call:
@@ -436,6 +436,10 @@ def partition_table(
             f"CHECK ({created_at} < '{bound.isoformat()}') NOT VALID"
         )
 
+    from django_idempotency.request.store import create_claim_functions
+
+    create_claim_functions(using)
+    say("Created the claim functions.")
     _retrying(using, add_check)
     say(f"Added CHECK {check} ({created_at} < {bound.isoformat()}) NOT VALID.")
     started = time.monotonic()
@@ -481,8 +485,8 @@ def unpartition_table(*, verbose: Any = None) -> float:
     """Move the partitioned records table back to one plain table; returns the seconds writes
     were stopped.
 
-    One transaction: the parent is locked against writes (EXCLUSIVE: reads go on, claims wait),
-    every row is copied into a new plain table, the partitioned table is dropped, the new one
+    One transaction: the parent is locked (ACCESS EXCLUSIVE: claims and reads wait), every row
+    is copied into a new plain table, the partitioned table is dropped, the new one
     takes its name, its identity (continued), primary key, unique ``(scope, key)`` and indexes
     under the model's names. Claims wait for the whole copy (docs/operations.md gives the time
     per million rows); turn ``RECORD_PARTITIONS`` off once it is done.
@@ -498,7 +502,10 @@ def unpartition_table(*, verbose: Any = None) -> float:
     id_column = _quote(using, _column("id"))
 
     def work(cursor: Any) -> float:
-        cursor.execute(f"LOCK TABLE {qtable} IN EXCLUSIVE MODE")
+        # ACCESS EXCLUSIVE from the start, though the copy only needs writes stopped: a claim
+        # holding ACCESS SHARE (its lookup) and then asking ROW EXCLUSIVE (its write) would
+        # deadlock with the DROP below, which needs ACCESS EXCLUSIVE.
+        cursor.execute(f"LOCK TABLE {qtable} IN ACCESS EXCLUSIVE MODE")
         started = time.monotonic()
         cursor.execute(
             f"CREATE TABLE {qcopy} (LIKE {qtable} INCLUDING DEFAULTS INCLUDING IDENTITY "

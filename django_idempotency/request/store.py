@@ -20,6 +20,7 @@ statement still reaches one shard. ``tests/test_shard_ready.py`` holds every pat
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -416,27 +417,25 @@ def _claim_partitioned(
     identity: Identity, using: str, owner_token: uuid.UUID, terms: _Terms
 ) -> Decision | None:
     """The claim on a records table partitioned by day (``RECORD_PARTITIONS``): the key's lock,
-    then the claim statement, in one transaction (``pg.RECORD_KEY_LOCK`` says why two).
+    then the claim statement, each with its own snapshot (``pg.KEY_LOCK_STEP`` says why),
+    run by a server-side function (``pg.claim_function``) so that the client sends one
+    prepared statement, as the plain table's claim does.
 
-    In autocommit both go in one message, one round trip; inside a caller's transaction they
-    run in it, and the key's lock is held until it ends. A claim whose time falls in no
-    partition fails with :class:`PartitionMissing`, having written nothing: there is no
-    default partition for it to land in unseen.
+    A claim whose time falls in no partition fails with :class:`PartitionMissing`, having
+    written nothing: there is no default partition for it to land in unseen.
     """
     connection = connections[using]
     params = _claim_params(identity, using, owner_token, terms)
-    owner_lock = presence.enabled(using)
-    own_transaction = not connection.in_atomic_block
-    statement = _postgresql_claim_text(using, owner_lock, own_transaction, partitioned=True)
+    owner_lock, own_transaction = presence.enabled(using), not connection.in_atomic_block
+    call = _claim_function(using, owner_lock, own_transaction)
     try:
-        if own_transaction:
-            row, names = pg.fetch_in_one_message(connection, pg.RECORD_KEY_LOCK, statement, params)
-        else:
-            with prepared.cursor(connection) as cursor:
-                cursor.execute(pg.RECORD_KEY_LOCK, params)
-                cursor.execute(statement, params)
-                row = cursor.fetchone()
-                names = [column.name for column in cursor.description or ()]
+        with prepared.cursor(connection) as cursor:
+            if call is None:  # inside a transaction, before the function exists: two statements
+                cursor.execute(pg.KEY_LOCK_STATEMENT, params)
+                call = _postgresql_claim_text(using, owner_lock, False, partitioned=True)
+            cursor.execute(call, params)
+            row = cursor.fetchone()
+            names = [column.name for column in cursor.description or ()]
     except IntegrityError as exc:
         if "no partition of relation" in str(exc):
             raise PartitionMissing(
@@ -447,6 +446,79 @@ def _claim_partitioned(
             ) from exc
         raise
     return _claimed_or_judged(identity, using, owner_token, terms, row, names)
+
+
+#: The claim functions known to exist, per database connection (its raw connection's id).
+_functions_seen: dict[int, set[str]] = {}
+
+
+def _claim_function(using: str, owner_lock: bool, own_transaction: bool) -> str | None:
+    """The call of the partitioned claim's function, created first if this connection has not
+    seen it yet; None inside a caller's transaction when it does not exist yet (created there,
+    it would stay invisible to every other claim, and its creator's lock held, until that
+    transaction ends). Its name carries a digest of its text: a new version of the statement
+    (or of the table's columns) is a new function, never one replaced under a running claim.
+    ``idempotency_partitions partition`` creates them ahead."""
+    connection = connections[using]
+    ddl, call, name = _claim_function_text(using, owner_lock, own_transaction)
+    connection.ensure_connection()
+    seen = _functions_seen.setdefault(id(connection.connection), set())
+    if name in seen:
+        return call
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT to_regproc(%s) IS NOT NULL", [name])
+        if not cursor.fetchone()[0]:
+            if connection.in_atomic_block:
+                return None
+            # Serialised: CREATE OR REPLACE of one function by two sessions at once can fail.
+            with transaction.atomic(using=using):
+                cursor.execute("SELECT pg_advisory_xact_lock(%s, 0)", [pg.RECORD_KEY_LOCK_CLASS])
+                cursor.execute(ddl)
+    seen.add(name)
+    return call
+
+
+def create_claim_functions(using: str) -> None:
+    """Create every variant of the partitioned claim's function, outside any transaction."""
+    for owner_lock in (False, True):
+        for own_transaction in (False, True):
+            ddl, _, _ = _claim_function_text(using, owner_lock, own_transaction)
+            with transaction.atomic(using=using), connections[using].cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s, 0)", [pg.RECORD_KEY_LOCK_CLASS])
+                cursor.execute(ddl)
+
+
+@functools.lru_cache(maxsize=16)
+def _claim_function_text(
+    using: str, owner_lock: bool, own_transaction: bool
+) -> tuple[str, str, str]:
+    connection = connections[using]
+    statement = _postgresql_claim_text(using, owner_lock, own_transaction, partitioned=True)
+    types = {name: str(_field(name).db_type(connection)) for name in _CLAIM_COLUMNS}
+    parameters = [
+        (name, types[name])
+        for name in ("scope", "key", "fingerprint", "owner_token", "method", "path")
+    ]
+    parameters += [("lease_seconds", "double precision"), ("expiry_seconds", "double precision")]
+    if owner_lock:
+        parameters.append(("owner_lock", "integer"))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT attname, format_type(atttypid, NULL) FROM pg_attribute "
+            "WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped",
+            [connection.ops.quote_name(IdempotencyRecord._meta.db_table)],
+        )
+        column_types = dict(cursor.fetchall())
+    returned = [(_column(name), column_types[_column(name)]) for name in _concrete_names()]
+    returned += [
+        ("claimed", "boolean"),
+        ("database_now", "timestamp with time zone"),
+        ("owner_lock", "boolean"),
+    ]
+    text = f"{pg.KEY_LOCK_STEP}{statement}{parameters}{returned}"
+    name = f"django_idempotency_claim_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    ddl, call = pg.claim_function(name, statement, parameters, returned)
+    return ddl, call, name
 
 
 def _claim_params(
