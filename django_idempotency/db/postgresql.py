@@ -197,12 +197,13 @@ def claim_statement(
     ``partitioned``: the statement for a records table partitioned by ``created_at``, which
     runs after :data:`KEY_LOCK_STEP` in the same transaction (:func:`claim_function`): the
     lock, not a unique index, keeps two claims of a key apart across partitions. There is no
-    ``ON CONFLICT``: no unique index on the partitioned table matches ``(scope, key)``. An expired record is deleted and
-    the new one inserted, so it lands in the partition of its own claim time and the old
-    partition holds nothing live any more; the insert happens only if the delete did delete
-    (or there was no record), because the delete re-checks expiry on the row's latest version
-    and an owner may have completed it meanwhile. A takeover of a stale record (the same
-    request) updates it in place: it keeps its first claim time, and so its partition.
+    ``ON CONFLICT``: no unique index on the partitioned table matches ``(scope, key)``. An
+    expired record is deleted and the new one inserted, so it lands in the partition of its
+    own claim time and the old partition holds nothing live any more; the insert happens only
+    if the delete did delete (or there was no record), because the delete re-checks expiry on
+    the row's latest version and an owner may have completed it meanwhile. A takeover of a
+    stale record (the same request) updates it in place: it keeps its first claim time, and so
+    its partition.
     """
 
     # Every reference goes through one short alias: psycopg caches its parse of a statement's
