@@ -108,6 +108,9 @@ def claim_function(
     statement: str,
     parameters: Sequence[tuple[str, str]],
     returned: Sequence[tuple[str, str]],
+    *,
+    absent: str,
+    insert: str,
 ) -> tuple[str, str]:
     """The partitioned claim as a server-side function: the DDL that creates it, and the
     statement that calls it (named parameters, as ``statement``'s).
@@ -119,16 +122,24 @@ def claim_function(
     plans of both cached by the session (a partitioned table costs more to plan than to run).
 
     ``parameters`` and ``returned`` are (name, SQL type) pairs: the function's arguments, in
-    the call's order, and its result columns, which must match ``statement``'s.
+    the call's order, and its result columns, which must match ``statement``'s. ``absent`` is
+    the condition (SQL, named parameters) that no record of the key exists; when it holds, the
+    function runs ``insert`` (a new record, the same result columns) instead of ``statement``:
+    the first claim of a key, the most common, then neither plans nor runs the DELETE and the
+    UPDATE, which on a partitioned table cost more than the insert itself.
     """
     placeholder = re.compile(r"%\((\w+)\)s")
-    body = placeholder.sub(lambda match: f"p_{match[1]}", statement)
+
+    def body(sql: str) -> str:
+        return placeholder.sub(lambda match: f"p_{match[1]}", sql)
+
     arguments = ", ".join(f"p_{arg} {sql_type}" for arg, sql_type in parameters)
     result = ", ".join(f'"{column}" {sql_type}' for column, sql_type in returned)
     ddl = (
         f"CREATE OR REPLACE FUNCTION {name}({arguments}) RETURNS TABLE ({result}) "
         f"LANGUAGE plpgsql VOLATILE AS $claim$\n#variable_conflict use_column\nBEGIN\n"
-        f"{KEY_LOCK_STEP}\nRETURN QUERY {body};\nEND\n$claim$"
+        f"{KEY_LOCK_STEP}\nIF {body(absent)} THEN\nRETURN QUERY {body(insert)};\n"
+        f"ELSE\nRETURN QUERY {body(statement)};\nEND IF;\nEND\n$claim$"
     )
     call = ", ".join(f"CAST(%({arg})s AS {sql_type})" for arg, sql_type in parameters)
     return ddl, f"SELECT * FROM {name}({call})"
@@ -160,6 +171,7 @@ def claim_statement(
     owner_lock: bool = False,
     asynchronous_commit: bool = False,
     partitioned: bool = False,
+    insert_only: bool = False,
 ) -> str:
     """The claim as one statement: insert, take over, reuse an expired record, or read it.
 
@@ -203,7 +215,8 @@ def claim_statement(
     if the delete did delete (or there was no record), because the delete re-checks expiry on
     the row's latest version and an owner may have completed it meanwhile. A takeover of a
     stale record (the same request) updates it in place: it keeps its first claim time, and so
-    its partition.
+    its partition. ``insert_only``: just the insert of a new record, with the same result
+    columns, for a claim that has already seen (under the key lock) that there is none.
     """
 
     # Every reference goes through one short alias: psycopg caches its parse of a statement's
@@ -247,6 +260,14 @@ def claim_statement(
         if asynchronous_commit
         else "true"
     )
+    if insert_only:
+        return (
+            f"WITH inserted AS ("
+            f"INSERT INTO {table} AS r ({', '.join(column(name) for name in names)}) "
+            f"SELECT {', '.join(inserted(name) for name in names)} "
+            f"RETURNING {row}, {claimed} AS claimed) "
+            f"SELECT *, {NOW} AS database_now, {lock_held} AS owner_lock FROM inserted"
+        )
     if partitioned:
         # Under the key lock: no other claim of this key runs, so the snapshot's "no record" is
         # still true when the INSERT runs, and the per-partition unique index only backs it up.

@@ -515,9 +515,17 @@ def _claim_function_text(
         ("database_now", "timestamp with time zone"),
         ("owner_lock", "boolean"),
     ]
-    text = f"{pg.KEY_LOCK_STEP}{statement}{parameters}{returned}"
+    insert = _postgresql_claim_text(using, owner_lock, own_transaction, insert_only=True)
+    quote = connection.ops.quote_name
+    absent = (
+        f"NOT EXISTS (SELECT 1 FROM {quote(IdempotencyRecord._meta.db_table)} AS r "
+        f"WHERE r.{quote(_column('scope'))} = %(scope)s AND r.{quote(_column('key'))} = %(key)s)"
+    )
+    text = f"{pg.KEY_LOCK_STEP}{absent}{insert}{statement}{parameters}{returned}"
     name = f"django_idempotency_claim_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
-    ddl, call = pg.claim_function(name, statement, parameters, returned)
+    ddl, call = pg.claim_function(
+        name, statement, parameters, returned, absent=absent, insert=insert
+    )
     return ddl, call, name
 
 
@@ -590,7 +598,11 @@ _CLAIM_LITERALS = {
 
 @functools.lru_cache(maxsize=16)
 def _postgresql_claim_text(
-    using: str, owner_lock: bool, own_transaction: bool, partitioned: bool = False
+    using: str,
+    owner_lock: bool,
+    own_transaction: bool,
+    partitioned: bool = False,
+    insert_only: bool = False,
 ) -> str:
     """The claim statement; its text depends only on the connection, so it is built once.
 
@@ -608,6 +620,7 @@ def _postgresql_claim_text(
         owner_lock=owner_lock,
         asynchronous_commit=own_transaction,
         partitioned=partitioned,
+        insert_only=insert_only,
     )
 
 
