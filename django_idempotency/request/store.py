@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -448,8 +449,9 @@ def _claim_partitioned(
     return _claimed_or_judged(identity, using, owner_token, terms, row, names)
 
 
-#: The claim functions known to exist, per database connection (its raw connection's id).
-_functions_seen: dict[int, set[str]] = {}
+#: The claim functions known to exist, per database connection (the driver's connection: a new
+#: one, perhaps to a database made since, looks again).
+_functions_seen: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
 
 def _claim_function(using: str, owner_lock: bool, own_transaction: bool) -> str | None:
@@ -462,7 +464,7 @@ def _claim_function(using: str, owner_lock: bool, own_transaction: bool) -> str 
     connection = connections[using]
     ddl, call, name = _claim_function_text(using, owner_lock, own_transaction)
     connection.ensure_connection()
-    seen = _functions_seen.setdefault(id(connection.connection), set())
+    seen = _functions_seen.setdefault(connection.connection, set())
     if name in seen:
         return call
     with connection.cursor() as cursor:
