@@ -649,3 +649,33 @@ def test_the_move_back_loses_and_duplicates_nothing_while_writes_wait(partitione
     )
     writers.check()
     assert IdempotencyRecord.objects.count() == 200 + len(writers.won)
+
+
+def test_the_claim_functions_are_created_when_missing(partitioned):
+    """Inside a transaction a missing function is not created (it would stay invisible to the
+    other claims, and its creator's lock held, until that transaction ends): the claim runs as
+    two statements there. In autocommit the claim creates it."""
+    partitioned()
+
+    def functions() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_proc WHERE proname LIKE 'django_idempotency_claim_%%'"
+            )
+            return int(cursor.fetchone()[0])
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT string_agg(oid::regprocedure::text, ', ') FROM pg_proc "
+            "WHERE proname LIKE 'django_idempotency_claim_%%'"
+        )
+        cursor.execute(f"DROP FUNCTION {cursor.fetchone()[0]}")
+    store._functions_seen.clear()
+    assert functions() == 0
+    key = f"two-statements-{uuid.uuid4()}"
+    with transaction.atomic():
+        assert isinstance(store.claim(identity(key=key), uuid.uuid4()), Proceed)
+        assert functions() == 0
+    assert len(partition_of(key)) == 1
+    assert isinstance(claim(f"autocommit-{uuid.uuid4()}"), Proceed)
+    assert functions() == 1
