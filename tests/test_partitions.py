@@ -70,6 +70,8 @@ def partitioned(
                 connections[alias].close()
         if partitions.is_partitioned("default"):
             partitions.unpartition_table()
+        with connection.cursor() as cursor:  # what a move that failed half-way may leave
+            cursor.execute(f'ALTER TABLE "{TABLE}" DROP CONSTRAINT IF EXISTS "{LEGACY}_bound"')
 
 
 def plant(
@@ -679,3 +681,20 @@ def test_the_claim_functions_are_created_when_missing(partitioned):
     assert len(partition_of(key)) == 1
     assert isinstance(claim(f"autocommit-{uuid.uuid4()}"), Proceed)
     assert functions() == 1
+
+
+def test_a_failed_move_leaves_the_plain_table_as_it_was(partitioned, monkeypatch):
+    from django.db import DataError
+
+    monkeypatch.setattr(partitions, "_partition_ddl", lambda *args: ["SELECT 1 / 0"])
+    with pytest.raises(DataError):
+        partitioned(database_now("default") + timedelta(seconds=1))
+    assert not partitions.is_partitioned()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'c'",
+            [f'"{TABLE}"'],
+        )
+        assert cursor.fetchone()[0] == 0  # the CHECK on created_at is gone
+    time.sleep(1.2)  # past the bound the CHECK would have had
+    assert isinstance(claim(f"after-a-failed-move-{uuid.uuid4()}"), Proceed)

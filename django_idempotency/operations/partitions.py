@@ -388,6 +388,10 @@ def _legacy_index(legacy: str, index: str) -> str:
     return f"{legacy}_{index.removeprefix(IdempotencyRecord._meta.app_label + '_')}"
 
 
+def _drop_check(using: str, check: str) -> str:
+    return f"ALTER TABLE {_quote(using, _table())} DROP CONSTRAINT IF EXISTS {_quote(using, check)}"
+
+
 def default_bound(now: datetime) -> datetime:
     """Where the legacy partition ends: the first window boundary at least an hour away, so
     the steps before the swap have time to finish before claims cross it."""
@@ -436,17 +440,6 @@ def partition_table(
             f"CHECK ({created_at} < '{bound.isoformat()}') NOT VALID"
         )
 
-    from django_idempotency.request.store import create_claim_functions
-
-    create_claim_functions(using)
-    say("Created the claim functions.")
-    _retrying(using, add_check)
-    say(f"Added CHECK {check} ({created_at} < {bound.isoformat()}) NOT VALID.")
-    started = time.monotonic()
-    with connections[using].cursor() as cursor:
-        cursor.execute(f"ALTER TABLE {qtable} VALIDATE CONSTRAINT {_quote(using, check)}")
-    say(f"Validated it in {time.monotonic() - started:.2f} s (writes continued).")
-
     def swap(cursor: Any) -> None:
         cursor.execute(f"LOCK TABLE {qtable} IN ACCESS EXCLUSIVE MODE")
         next_id = _next_id(cursor, using, table)
@@ -474,9 +467,27 @@ def partition_table(
         for statement in _partition_ddl(using, partition_name(bound), bound, end):
             cursor.execute(statement)
 
-    started = time.monotonic()
-    _retrying(using, swap)
-    say(f"Swapped in the partitioned table in {time.monotonic() - started:.3f} s.")
+    from django_idempotency.request.store import create_claim_functions
+
+    create_claim_functions(using)
+    say("Created the claim functions.")
+    _retrying(using, add_check)
+    say(f"Added CHECK {check} ({created_at} < {bound.isoformat()}) NOT VALID.")
+    try:
+        started = time.monotonic()
+        with connections[using].cursor() as cursor:
+            cursor.execute(f"ALTER TABLE {qtable} VALIDATE CONSTRAINT {_quote(using, check)}")
+        say(f"Validated it in {time.monotonic() - started:.2f} s (writes continued).")
+
+        started = time.monotonic()
+        _retrying(using, swap)
+        say(f"Swapped in the partitioned table in {time.monotonic() - started:.3f} s.")
+    except BaseException:
+        # Left behind, the CHECK would refuse every claim once the database's clock passed the
+        # bound. (The swap is one transaction: it happened entirely or not at all.)
+        if not is_partitioned(using):
+            _retrying(using, lambda cursor: cursor.execute(_drop_check(using, check)))
+        raise
     create_partitions(ahead_days=ahead_days)
     return bound
 
