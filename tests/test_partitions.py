@@ -504,11 +504,15 @@ def test_the_checks_see_the_layout_and_the_missing_next_partition(partitioned):
 def test_the_command_partitions_reports_and_moves_back(partitioned):
     from io import StringIO
 
-    from django.core.management import call_command
+    from django.core.management import CommandError, call_command
 
     out = StringIO()
     call_command("idempotency_partitions", "status", stdout=out)
     assert "not partitioned" in out.getvalue()
+    call_command("idempotency_partitions", stdout=out)  # maintain: nothing to do yet, no error
+    assert "Nothing to maintain" in out.getvalue()
+    with pytest.raises(CommandError, match="not partitioned"):
+        call_command("idempotency_partitions", "create")
     call_command("idempotency_partitions", "partition", "--bound", "+2h", stdout=out, verbosity=2)
     assert "Validated it" in out.getvalue() and "Swapped" in out.getvalue()
     assert partitions.is_partitioned()
@@ -518,8 +522,11 @@ def test_the_command_partitions_reports_and_moves_back(partitioned):
     out = StringIO()
     call_command("idempotency_partitions", "create", "--ahead-days", "8", stdout=out)
     assert "created" in out.getvalue()
+    call_command("idempotency_partitions", stdout=out)  # maintain
+    assert "created 0 partitions" in out.getvalue()
     call_command("idempotency_partitions", "unpartition", stdout=out)
     assert not partitions.is_partitioned()
+    assert "one plain table again" in out.getvalue()
 
 
 def test_the_command_refuses_to_drop_a_partition_with_live_records(

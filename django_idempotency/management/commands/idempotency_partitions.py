@@ -6,6 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_idempotency.conf import conf
 from django_idempotency.db import database_now
 from django_idempotency.exceptions import IdempotencyConfigurationError
 from django_idempotency.management.commands.idempotency_sweep import moment
@@ -52,6 +53,14 @@ class Command(BaseCommand):
         ahead = options["ahead_days"]
         if ahead is not None and ahead < 0:
             raise CommandError("--ahead-days must be 0 or more.", returncode=2)
+        if action == "maintain" and not (conf.RECORD_PARTITIONS and partitions.is_partitioned()):
+            # What cron runs: nothing to do (and no error) until the table is partitioned.
+            if self.verbosity >= 1:
+                self.stdout.write(
+                    "Nothing to maintain: RECORD_PARTITIONS is off or the records table is not "
+                    "partitioned."
+                )
+            return
         try:
             if action in ("maintain", "create"):
                 self._create(ahead, dry_run)
