@@ -109,7 +109,6 @@ def claim_function(
     parameters: Sequence[tuple[str, str]],
     returned: Sequence[tuple[str, str]],
     *,
-    absent: str,
     insert: str,
 ) -> tuple[str, str]:
     """The partitioned claim as a server-side function: the DDL that creates it, and the
@@ -122,11 +121,11 @@ def claim_function(
     plans of both cached by the session (a partitioned table costs more to plan than to run).
 
     ``parameters`` and ``returned`` are (name, SQL type) pairs: the function's arguments, in
-    the call's order, and its result columns, which must match ``statement``'s. ``absent`` is
-    the condition (SQL, named parameters) that no record of the key exists; when it holds, the
-    function runs ``insert`` (a new record, the same result columns) instead of ``statement``:
-    the first claim of a key, the most common, then neither plans nor runs the DELETE and the
-    UPDATE, which on a partitioned table cost more than the insert itself.
+    the call's order, and its result columns, which must match ``statement``'s. ``insert``
+    runs first: the insert of a new record when the key has none (the same result columns, no
+    row otherwise); only when it inserted nothing does ``statement`` run. The first claim of a
+    key, the most common, then neither plans nor runs the DELETE and the UPDATE, which on a
+    partitioned table cost more than the insert itself.
     """
     placeholder = re.compile(r"%\((\w+)\)s")
 
@@ -138,8 +137,8 @@ def claim_function(
     ddl = (
         f"CREATE OR REPLACE FUNCTION {name}({arguments}) RETURNS TABLE ({result}) "
         f"LANGUAGE plpgsql VOLATILE AS $claim$\n#variable_conflict use_column\nBEGIN\n"
-        f"{KEY_LOCK_STEP}\nIF {body(absent)} THEN\nRETURN QUERY {body(insert)};\n"
-        f"ELSE\nRETURN QUERY {body(statement)};\nEND IF;\nEND\n$claim$"
+        f"{KEY_LOCK_STEP}\nRETURN QUERY {body(insert)};\n"
+        f"IF NOT FOUND THEN\nRETURN QUERY {body(statement)};\nEND IF;\nEND\n$claim$"
     )
     call = ", ".join(f"CAST(%({arg})s AS {sql_type})" for arg, sql_type in parameters)
     return ddl, f"SELECT * FROM {name}({call})"
@@ -215,8 +214,9 @@ def claim_statement(
     if the delete did delete (or there was no record), because the delete re-checks expiry on
     the row's latest version and an owner may have completed it meanwhile. A takeover of a
     stale record (the same request) updates it in place: it keeps its first claim time, and so
-    its partition. ``insert_only``: just the insert of a new record, with the same result
-    columns, for a claim that has already seen (under the key lock) that there is none.
+    its partition. ``insert_only``: just the insert of a new record if the key has none, with
+    the same result columns (no row when it has one), for the first try of a claim under the
+    key lock.
     """
 
     # Every reference goes through one short alias: psycopg caches its parse of a statement's
@@ -265,6 +265,7 @@ def claim_statement(
             f"WITH inserted AS ("
             f"INSERT INTO {table} AS r ({', '.join(column(name) for name in names)}) "
             f"SELECT {', '.join(inserted(name) for name in names)} "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {table} AS r WHERE {key}) "
             f"RETURNING {row}, {claimed} AS claimed) "
             f"SELECT *, {NOW} AS database_now, {lock_held} AS owner_lock FROM inserted"
         )

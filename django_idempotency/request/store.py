@@ -518,16 +518,9 @@ def _claim_function_text(
         ("owner_lock", "boolean"),
     ]
     insert = _postgresql_claim_text(using, owner_lock, own_transaction, insert_only=True)
-    quote = connection.ops.quote_name
-    absent = (
-        f"NOT EXISTS (SELECT 1 FROM {quote(IdempotencyRecord._meta.db_table)} AS r "
-        f"WHERE r.{quote(_column('scope'))} = %(scope)s AND r.{quote(_column('key'))} = %(key)s)"
-    )
-    text = f"{pg.KEY_LOCK_STEP}{absent}{insert}{statement}{parameters}{returned}"
+    text = f"{pg.KEY_LOCK_STEP}{insert}{statement}{parameters}{returned}"
     name = f"django_idempotency_claim_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
-    ddl, call = pg.claim_function(
-        name, statement, parameters, returned, absent=absent, insert=insert
-    )
+    ddl, call = pg.claim_function(name, statement, parameters, returned, insert=insert)
     return ddl, call, name
 
 
