@@ -705,3 +705,41 @@ def test_a_failed_move_leaves_the_plain_table_as_it_was(partitioned, monkeypatch
         assert cursor.fetchone()[0] == 0  # the CHECK on created_at is gone
     time.sleep(1.2)  # past the bound the CHECK would have had
     assert isinstance(claim(f"after-a-failed-move-{uuid.uuid4()}"), Proceed)
+
+
+# --- the whole lifecycle on a partitioned table -------------------------------------------------
+
+
+def _lifecycle_tests() -> list[str]:
+    """``tests/test_lifecycle.py``'s tests of the claim (``claim_path``) that take no
+    parameters of their own."""
+    import inspect
+
+    from tests import test_lifecycle
+
+    return [
+        name
+        for name, function in vars(test_lifecycle).items()
+        if name.startswith("test_")
+        and "claim_path" in inspect.signature(function).parameters
+        and not getattr(function, "pytestmark", None)
+    ]
+
+
+@pytest.mark.parametrize("name", _lifecycle_tests())
+def test_the_lifecycle_on_a_partitioned_table(partitioned, request, name):
+    """Every row of DESIGN.md through the lifecycle (claim, run, complete or release, replay,
+    409, 422, takeover, lease lost), on the partitioned table."""
+    import inspect
+
+    from tests import test_lifecycle
+
+    partitioned()
+    test = getattr(test_lifecycle, name)
+    arguments = {
+        parameter: "partitioned"
+        if parameter == "claim_path"
+        else request.getfixturevalue(parameter)
+        for parameter in inspect.signature(test).parameters
+    }
+    test(**arguments)
