@@ -435,8 +435,10 @@ def partition_table(
     created_at = _quote(using, _column("created_at"))
 
     def add_check(cursor: Any) -> None:
+        # A run killed between this step and the swap may have left its CHECK: replaced.
         cursor.execute(
-            f"ALTER TABLE {qtable} ADD CONSTRAINT {_quote(using, check)} "
+            f"ALTER TABLE {qtable} DROP CONSTRAINT IF EXISTS {_quote(using, check)}, "
+            f"ADD CONSTRAINT {_quote(using, check)} "
             f"CHECK ({created_at} < '{bound.isoformat()}') NOT VALID"
         )
 
