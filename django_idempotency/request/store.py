@@ -5,7 +5,9 @@ The operations, each one short statement or transaction, each judged by the data
 
 * :func:`claim` runs in autocommit, committed before the view's transaction opens, so a
   concurrent duplicate sees the PROCESSING record at once and never waits on the first
-  request's business transaction. On PostgreSQL it is one statement for every path.
+  request's business transaction. On PostgreSQL it is one statement for every path; on a
+  records table partitioned by day (``RECORD_PARTITIONS``) that statement calls a function
+  that takes the key's lock and then claims, since no unique index spans the partitions.
 * :func:`complete` is one UPDATE inside the business transaction, fenced by the owner token: a
   request that lost its lease to a takeover updates nothing, and the caller rolls back.
 * :func:`release` deletes the record if this request still owns it, so a retry runs at once.
