@@ -40,7 +40,7 @@ RUN_PASSES = $(VENV)/bin/python -m tests.passes --jobs $(TEST_JOBS) --make "$(MA
 pytest-pass = rm -f .coverage.$(3) .coverage.$(3).* && TEST_DATABASE=$(2) COVERAGE_FILE=.coverage.$(3) \
 	$(1)/bin/$(PYTEST) --cov=django_idempotency --cov-report= $(4)
 
-.PHONY: demo tour test lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay chaos \
+.PHONY: demo tour test lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay bench-retention chaos \
 	test-dj52-sqlite test-dj52-postgresql test-dj52-mariadb test-dj6-sqlite test-dj6-postgresql
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
@@ -143,6 +143,12 @@ chaos: $(VENV)/.installed
 bench-relay: $(VENV)/.installed
 	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/relay_throughput.py $(BENCH_ARGS)
 	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/relay_fleet.py
+
+## bench-retention: retention of ROWS expired records on PostgreSQL (POSTGRES_URL), the DELETE
+## sweep against dropping a day partition; writes benchmarks/results/retention.json
+ROWS ?= 100000
+bench-retention: $(VENV)/.installed
+	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/retention.py --rows $(ROWS) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_DJANGO6) .coverage* site

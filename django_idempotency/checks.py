@@ -17,6 +17,7 @@ import importlib.util
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -72,6 +73,10 @@ __all__ = [
     "E041",
     "E042",
     "E060",
+    "E080",
+    "E081",
+    "E082",
+    "E083",
     "FAST_PATH_CHECKS",
     "Finding",
     "MIDDLEWARE",
@@ -79,6 +84,7 @@ __all__ = [
     "OUTBOX_CHECKS",
     "PROJECT_CHECKS",
     "SETTINGS_CHECKS",
+    "STORAGE_CHECKS",
     "W001",
     "W002",
     "W003",
@@ -96,6 +102,8 @@ __all__ = [
     "W040",
     "W060",
     "W061",
+    "W080",
+    "W081",
     "check_settings",
     "importable",
     "register_all",
@@ -154,6 +162,13 @@ W040 = "django_idempotency.W040"  # the CACHE_ALIAS cache has no socket timeouts
 E060 = "django_idempotency.E060"  # REGISTER_ADMIN, METRICS or TRACING is not a boolean
 W060 = "django_idempotency.W060"  # METRICS set to True but prometheus_client is not installed
 W061 = "django_idempotency.W061"  # TRACING set to True but opentelemetry-api is not installed
+# Storage at scale: the partitioned records table
+E080 = "django_idempotency.E080"  # RECORD_PARTITIONS is not a boolean
+E081 = "django_idempotency.E081"  # PARTITION_SPAN_DAYS or PARTITION_AHEAD_DAYS not a positive int
+E082 = "django_idempotency.E082"  # RECORD_PARTITIONS on, the records database is not PostgreSQL
+E083 = "django_idempotency.E083"  # the records table is partitioned, RECORD_PARTITIONS is off
+W080 = "django_idempotency.W080"  # RECORD_PARTITIONS on, the records table is still plain
+W081 = "django_idempotency.W081"  # the next partition of the records table does not exist yet
 
 MIDDLEWARE = "django_idempotency.middleware.IdempotencyMiddleware"
 _AUTHENTICATION_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
@@ -774,6 +789,87 @@ def _on_without_package(name: str, module: str) -> Callable[[Context], Iterator[
     return condition
 
 
+# --- conditions: the partitioned records table --------------------------------------------------
+
+
+def _partitions_wanted(c: Context) -> bool:
+    try:
+        return parse_bool("RECORD_PARTITIONS", c.merged["RECORD_PARTITIONS"])
+    except IdempotencyConfigurationError:
+        return False  # E080 says so
+
+
+def _records_vendor() -> tuple[str, str | None]:
+    """The records database's alias and vendor, from its ENGINE (no connection)."""
+    from django.db import connections, router
+    from django.db.utils import load_backend
+
+    from django_idempotency.models import IdempotencyRecord
+
+    alias = router.db_for_write(IdempotencyRecord)
+    try:
+        engine = connections.settings[alias]["ENGINE"]
+        return alias, str(load_backend(engine).DatabaseWrapper.vendor)
+    except Exception:  # an ENGINE that does not load is Django's own error to report
+        return alias, None
+
+
+def _partitions_off_postgresql(c: Context) -> Iterator[Finding]:
+    alias, vendor = _records_vendor()
+    if _partitions_wanted(c) and vendor is not None and vendor != "postgresql":
+        yield {"alias": alias, "vendor": vendor}
+
+
+def record_layout(alias: str) -> tuple[bool, datetime | None, datetime]:
+    """Whether the records table is partitioned, where its partitions end (None: it has
+    none) and the database's time. Connects; only for rows tagged ``database``."""
+    from django_idempotency.db import database_now
+    from django_idempotency.operations import partitions
+
+    now = database_now(alias)
+    if not partitions.is_partitioned(alias):
+        return False, None, now
+    ends = [part.end for part in partitions.partitions(alias)]
+    return True, max(ends, default=None), now
+
+
+def _layout(c: Context) -> tuple[str, tuple[bool, datetime | None, datetime]] | None:
+    """The records table's layout, when Django asked to check its database and it is
+    PostgreSQL (elsewhere there is no layout to check)."""
+    alias, vendor = _records_vendor()
+    if alias not in (c.databases or ()) or vendor != "postgresql":
+        return None
+    return alias, record_layout(alias)
+
+
+def _partitioned_layout_missing(c: Context) -> Iterator[Finding]:
+    if not _partitions_wanted(c):
+        return
+    found = _layout(c)
+    if found is not None and not found[1][0]:
+        yield {"alias": found[0]}
+
+
+def _partitioned_without_setting(c: Context) -> Iterator[Finding]:
+    if _partitions_wanted(c):
+        return
+    found = _layout(c)
+    if found is not None and found[1][0]:
+        yield {"alias": found[0]}
+
+
+def _next_partition_missing(c: Context) -> Iterator[Finding]:
+    if not _partitions_wanted(c):
+        return
+    found = _layout(c)
+    if found is None or not found[1][0]:
+        return
+    _, (_, covered_until, now) = found
+    span = _integer("PARTITION_SPAN_DAYS", c.merged) or 1
+    if covered_until is None or covered_until <= now + timedelta(days=max(span, 1)):
+        yield {"until": "nothing" if covered_until is None else covered_until.isoformat()}
+
+
 _DURATIONS = (
     "OUTBOX_RELAY_LEASE_SECONDS",
     "OUTBOX_BACKOFF_BASE_SECONDS",
@@ -1130,6 +1226,53 @@ OPERATIONS_CHECKS: tuple[Check, ...] = (
     ),
 )
 
+STORAGE_CHECKS: tuple[Check, ...] = (
+    Check(E080, _not_booleans("RECORD_PARTITIONS"), BOOLEAN_MESSAGE),
+    Check(
+        E081,
+        _bad_numbers("PARTITION_SPAN_DAYS", "PARTITION_AHEAD_DAYS", whole=True),
+        "IDEMPOTENCY[{name!r}] must be a positive whole number of days, not {value}.",
+        "Remove it to use the default, {default!r}.",
+    ),
+    Check(
+        E082,
+        _partitions_off_postgresql,
+        "IDEMPOTENCY['RECORD_PARTITIONS'] is on, but the records database {alias!r} is "
+        "{vendor!r}: day partitions are PostgreSQL's.",
+        "Turn it off: on this database the sweep (idempotency_sweep, or the "
+        "sweep_idempotency_records task) removes expired records.",
+    ),
+    Check(
+        E083,
+        _partitioned_without_setting,
+        "The records table in database {alias!r} is partitioned, but "
+        "IDEMPOTENCY['RECORD_PARTITIONS'] is off: every claim would fail (ON CONFLICT needs a "
+        "unique index the partitioned table cannot have).",
+        "Set IDEMPOTENCY['RECORD_PARTITIONS'] = True, or move the table back first with "
+        "`manage.py idempotency_partitions unpartition`.",
+        tags=(Tags.database,),
+    ),
+    Check(
+        W080,
+        _partitioned_layout_missing,
+        "IDEMPOTENCY['RECORD_PARTITIONS'] is on, but the records table in database {alias!r} is "
+        "still one plain table.",
+        "Claims are safe meanwhile (they take the key lock; the unique constraint still holds). "
+        "Run `manage.py idempotency_partitions partition` once every process runs with the "
+        "setting (docs/operations.md).",
+        tags=(Tags.database,),
+    ),
+    Check(
+        W081,
+        _next_partition_missing,
+        "The partitions of the records table cover time only until {until}: the next partition "
+        "does not exist yet, and claims past that moment will fail.",
+        "Run `manage.py idempotency_partitions create` now, and schedule it daily (or the "
+        "maintain_record_partitions task of BEAT_SCHEDULE).",
+        tags=(Tags.database,),
+    ),
+)
+
 #: Every check, in the order ``manage.py check`` reports them.
 CHECKS: tuple[Check, ...] = (
     *SETTINGS_CHECKS,
@@ -1137,6 +1280,7 @@ CHECKS: tuple[Check, ...] = (
     *OUTBOX_CHECKS,
     *FAST_PATH_CHECKS,
     *OPERATIONS_CHECKS,
+    *STORAGE_CHECKS,
 )
 BY_ID: dict[str, Check] = {check.id: check for check in CHECKS}
 

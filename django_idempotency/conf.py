@@ -91,6 +91,11 @@ DEFAULTS: dict[str, Any] = {
     "INBOX_RETENTION_SECONDS": 14 * 86400,
     # Sweeps of all three layers
     "SWEEP_BATCH_SIZE": 1000,
+    # Storage at scale (PostgreSQL only): the records table partitioned by day, retention by
+    # dropping whole partitions (docs/operations.md).
+    "RECORD_PARTITIONS": False,
+    "PARTITION_SPAN_DAYS": 1,
+    "PARTITION_AHEAD_DAYS": 3,
 }
 
 #: Response headers never stored, whatever ``STORED_RESPONSE_HEADERS`` says: replaying them
@@ -412,6 +417,18 @@ class IdempotencySettings:
     @property
     def SWEEP_BATCH_SIZE(self) -> int:
         return self.integer("SWEEP_BATCH_SIZE")
+
+    @property
+    def RECORD_PARTITIONS(self) -> bool:
+        return self.boolean("RECORD_PARTITIONS")
+
+    @property
+    def PARTITION_SPAN_DAYS(self) -> int:
+        return self.integer("PARTITION_SPAN_DAYS")
+
+    @property
+    def PARTITION_AHEAD_DAYS(self) -> int:
+        return self.integer("PARTITION_AHEAD_DAYS")
 
 
 conf = IdempotencySettings()

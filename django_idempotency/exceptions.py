@@ -29,6 +29,7 @@ __all__ = [
     "LeaseLost",
     "LeaseLostConflict",
     "OutboxError",
+    "PartitionMissing",
     "PayloadMismatch",
     "PublishError",
     "ResponseNotRetained",
@@ -61,6 +62,11 @@ class IdempotencyError(Exception):
 
 class IdempotencyConfigurationError(IdempotencyError, ImproperlyConfigured):
     """A setting is wrong; the message names it and the fix."""
+
+
+class PartitionMissing(IdempotencyError):
+    """A claim found no partition of the records table for its time (``RECORD_PARTITIONS``):
+    the partitions ahead were not created. Nothing was written."""
 
 
 class LeaseLost(IdempotencyError):

@@ -28,6 +28,7 @@ __all__ = [
     "BEAT_SCHEDULE",
     "install_periodic_tasks",
     "kick_relay",
+    "maintain_record_partitions",
     "relay_outbox",
     "sweep_idempotency_records",
     "sweep_outbox_events",
@@ -79,6 +80,15 @@ def sweep_processed_messages(batch_size: int | None = None) -> int:
     from django_idempotency.operations.sweeps import sweep_processed_messages as sweep
 
     return sweep(batch_size=batch_size)
+
+
+@_task
+def maintain_record_partitions() -> dict[str, Any]:
+    """Create the records table's partitions ahead and drop the expired ones
+    (``RECORD_PARTITIONS``; a no-op without it)."""
+    from django_idempotency.operations.partitions import maintain
+
+    return maintain()
 
 
 class _RelayKicker:
@@ -192,6 +202,11 @@ BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     },
     "django-idempotency-sweep-inbox": {
         "task": "django_idempotency.tasks.sweep_processed_messages",
+        "schedule": 3600.0,
+        "options": {"expires": 3000.0},
+    },
+    "django-idempotency-record-partitions": {
+        "task": "django_idempotency.tasks.maintain_record_partitions",
         "schedule": 3600.0,
         "options": {"expires": 3000.0},
     },

@@ -123,6 +123,21 @@ def no_skip_locked(p: Project) -> None:
     p.arguments = ["--database", "default"]
 
 
+def records_layout(
+    p: Project, *, partitioned: bool, covered_days: float | None = 3, **idempotency: Any
+) -> None:
+    """A PostgreSQL records database whose table is (or is not) partitioned, with partitions
+    covering ``covered_days`` ahead; checked with ``--database`` (no connection is made)."""
+    from datetime import UTC, datetime, timedelta
+
+    now = datetime(2030, 1, 1, 12, tzinfo=UTC)
+    covered = None if covered_days is None else now + timedelta(days=covered_days)
+    p.monkeypatch.setattr(checks, "_records_vendor", lambda: ("default", "postgresql"))
+    p.monkeypatch.setattr(checks, "record_layout", lambda alias: (partitioned, covered, now))
+    p.arguments = ["--database", "default"]
+    p.idempotency(**idempotency)
+
+
 def default_kick(p: Project) -> None:
     p.without("OUTBOX_KICK")
 
@@ -347,6 +362,36 @@ SCENARIOS: dict[str, tuple[Scenario, Scenario]] = {
     checks.W061: (
         lambda p: (p.missing("opentelemetry.trace"), p.idempotency(TRACING=True)),
         lambda p: p.idempotency(TRACING=True),
+    ),
+    checks.E080: (
+        lambda p: p.idempotency(RECORD_PARTITIONS="maybe"),
+        lambda p: p.idempotency(RECORD_PARTITIONS="off"),
+    ),
+    checks.E081: (
+        lambda p: p.idempotency(PARTITION_SPAN_DAYS=0),
+        lambda p: p.idempotency(PARTITION_SPAN_DAYS="7", PARTITION_AHEAD_DAYS=14),
+    ),
+    checks.E082: (
+        lambda p: (
+            p.monkeypatch.setattr(checks, "_records_vendor", lambda: ("default", "sqlite")),
+            p.idempotency(RECORD_PARTITIONS=True),
+        ),
+        lambda p: (
+            p.monkeypatch.setattr(checks, "_records_vendor", lambda: ("default", "sqlite")),
+            p.idempotency(RECORD_PARTITIONS=False),
+        ),
+    ),
+    checks.E083: (
+        lambda p: records_layout(p, partitioned=True, RECORD_PARTITIONS=False),
+        lambda p: records_layout(p, partitioned=True, RECORD_PARTITIONS=True),
+    ),
+    checks.W080: (
+        lambda p: records_layout(p, partitioned=False, RECORD_PARTITIONS=True),
+        lambda p: records_layout(p, partitioned=False, RECORD_PARTITIONS=False),
+    ),
+    checks.W081: (
+        lambda p: records_layout(p, partitioned=True, covered_days=0.5, RECORD_PARTITIONS=True),
+        lambda p: records_layout(p, partitioned=True, covered_days=3, RECORD_PARTITIONS=True),
     ),
 }
 

@@ -7,6 +7,7 @@ why it is not needed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,10 @@ __all__ = [
     "LET_GO_OF_RELAY_LOCK",
     "OWNER_GONE",
     "OWNER_LOCK_CLASS",
+    "KEY_LOCK_STATEMENT",
+    "KEY_LOCK_STEP",
+    "RECORD_KEY_LOCK_CLASS",
+    "claim_function",
     "with_owner_lock_released",
     "before_outbox_insert",
     "ACK_COLUMNS",
@@ -73,6 +78,72 @@ HOLD_OWNER_LOCK = f"pg_try_advisory_lock({OWNER_LOCK_CLASS}, %(owner_lock)s)"
 LET_GO_OF_OWNER_LOCK = f"pg_advisory_unlock({OWNER_LOCK_CLASS}, %(owner_lock)s)"
 
 
+#: Class id of the per-key locks of a partitioned records table (docs/operations.md): each claim
+#: takes its key's lock, for its transaction, before it looks the key up.
+RECORD_KEY_LOCK_CLASS = 1_638_184_612
+
+#: The first step of the partitioned claim (:func:`claim_function`): its key's lock, for the
+#: transaction. PostgreSQL cannot enforce ``(scope, key)`` across partitions (a unique index on
+#: a partitioned table must include the partition column), so every claim of a key takes this
+#: lock first, and the claim's lookup runs as a *later* statement: under READ COMMITTED a
+#: statement's snapshot is taken when it starts, so only a statement that starts after the lock
+#: is granted sees the row of a claim that committed while this one waited. (A lock taken inside
+#: the claim statement itself, in a CTE, would come after that statement's snapshot.) The
+#: scope's length goes into the hash so ``("a b", "c")`` and ``("a", "b c")`` hash different
+#: texts; a collision of the 32-bit hash only makes two keys take turns, it never merges them.
+KEY_LOCK_STEP = (
+    f"PERFORM pg_advisory_xact_lock({RECORD_KEY_LOCK_CLASS}, "
+    f"hashtext(length(p_scope)::text || ':' || p_scope || p_key));"
+)
+#: The same lock as a statement of its own (named parameters ``scope`` and ``key``), for a
+#: claim inside a caller's transaction on a connection where the function is not there yet.
+KEY_LOCK_STATEMENT = (
+    f"SELECT pg_advisory_xact_lock({RECORD_KEY_LOCK_CLASS}, "
+    f"hashtext(length(%(scope)s)::text || ':' || %(scope)s || %(key)s))"
+)
+
+
+def claim_function(
+    name: str,
+    statement: str,
+    parameters: Sequence[tuple[str, str]],
+    returned: Sequence[tuple[str, str]],
+    *,
+    insert: str,
+) -> tuple[str, str]:
+    """The partitioned claim as a server-side function: the DDL that creates it, and the
+    statement that calls it (named parameters, as ``statement``'s).
+
+    The function takes the key's lock (:data:`KEY_LOCK_STEP`) and then runs ``statement``.
+    A ``VOLATILE`` PL/pgSQL function takes a fresh snapshot for each statement it runs, so the
+    claim's lookup sees every claim of the key that committed while this one waited for the
+    lock: the guarantee of two statements, in one statement the client can prepare, with the
+    plans of both cached by the session (a partitioned table costs more to plan than to run).
+
+    ``parameters`` and ``returned`` are (name, SQL type) pairs: the function's arguments, in
+    the call's order, and its result columns, which must match ``statement``'s. ``insert``
+    runs first: the insert of a new record when the key has none (the same result columns, no
+    row otherwise); only when it inserted nothing does ``statement`` run. The first claim of a
+    key, the most common, then neither plans nor runs the DELETE and the UPDATE, which on a
+    partitioned table cost more than the insert itself.
+    """
+    placeholder = re.compile(r"%\((\w+)\)s")
+
+    def body(sql: str) -> str:
+        return placeholder.sub(lambda match: f"p_{match[1]}", sql)
+
+    arguments = ", ".join(f"p_{arg} {sql_type}" for arg, sql_type in parameters)
+    result = ", ".join(f'"{column}" {sql_type}' for column, sql_type in returned)
+    ddl = (
+        f"CREATE OR REPLACE FUNCTION {name}({arguments}) RETURNS TABLE ({result}) "
+        f"LANGUAGE plpgsql VOLATILE AS $claim$\n#variable_conflict use_column\nBEGIN\n"
+        f"{KEY_LOCK_STEP}\nRETURN QUERY {body(insert)};\n"
+        f"IF NOT FOUND THEN\nRETURN QUERY {body(statement)};\nEND IF;\nEND\n$claim$"
+    )
+    call = ", ".join(f"CAST(%({arg})s AS {sql_type})" for arg, sql_type in parameters)
+    return ddl, f"SELECT * FROM {name}({call})"
+
+
 def with_owner_lock_released(statement: str) -> str:
     """``statement`` (an UPDATE or DELETE with ``RETURNING 1``, positional parameters) and the
     owner lock's release, in one round trip: one more parameter, the lock id, comes last. The
@@ -98,6 +169,8 @@ def claim_statement(
     returned: Sequence[str] = (),
     owner_lock: bool = False,
     asynchronous_commit: bool = False,
+    partitioned: bool = False,
+    insert_only: bool = False,
 ) -> str:
     """The claim as one statement: insert, take over, reuse an expired record, or read it.
 
@@ -131,6 +204,19 @@ def claim_statement(
     WAL flush. That loses nothing: the business transaction that completes the record commits
     synchronously, which flushes the WAL up to its own commit and so the claim's records before
     it; a claim lost in a crash before that guarded no effect, and its retry claims afresh.
+
+    ``partitioned``: the statement for a records table partitioned by ``created_at``, which
+    runs after :data:`KEY_LOCK_STEP` in the same transaction (:func:`claim_function`): the
+    lock, not a unique index, keeps two claims of a key apart across partitions. There is no
+    ``ON CONFLICT``: no unique index on the partitioned table matches ``(scope, key)``. An
+    expired record is deleted and the new one inserted, so it lands in the partition of its
+    own claim time and the old partition holds nothing live any more; the insert happens only
+    if the delete did delete (or there was no record), because the delete re-checks expiry on
+    the row's latest version and an owner may have completed it meanwhile. A takeover of a
+    stale record (the same request) updates it in place: it keeps its first claim time, and so
+    its partition. ``insert_only``: just the insert of a new record if the key has none, with
+    the same result columns (no row when it has one), for the first try of a claim under the
+    key lock.
     """
 
     # Every reference goes through one short alias: psycopg caches its parse of a statement's
@@ -174,16 +260,43 @@ def claim_statement(
         if asynchronous_commit
         else "true"
     )
+    if insert_only:
+        return (
+            f"WITH inserted AS ("
+            f"INSERT INTO {table} AS r ({', '.join(column(name) for name in names)}) "
+            f"SELECT {', '.join(inserted(name) for name in names)} "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {table} AS r WHERE {key}) "
+            f"RETURNING {row}, {claimed} AS claimed) "
+            f"SELECT *, {NOW} AS database_now, {lock_held} AS owner_lock FROM inserted"
+        )
+    if partitioned:
+        # Under the key lock: no other claim of this key runs, so the snapshot's "no record" is
+        # still true when the INSERT runs, and the per-partition unique index only backs it up.
+        first = (
+            f"WITH deleted AS (DELETE FROM {table} AS r WHERE {key} AND {expired} RETURNING 1), "
+            f"inserted AS ("
+            f"INSERT INTO {table} AS r ({', '.join(column(name) for name in names)}) "
+            f"SELECT {', '.join(inserted(name) for name in names)} "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {table} AS r WHERE {key}) "
+            f"OR EXISTS (SELECT 1 FROM deleted) "
+            f"RETURNING {row}, {claimed} AS claimed), "
+        )
+        taken_over = f"{stale} AND NOT {expired}"
+    else:
+        first = (
+            f"WITH inserted AS ("
+            f"INSERT INTO {table} AS r ({', '.join(column(name) for name in names)}) "
+            f"SELECT {', '.join(inserted(name) for name in names)} "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {table} AS r WHERE {key}) "
+            f"ON CONFLICT ({column('scope')}, {column('key')}) DO NOTHING "
+            f"RETURNING {row}, {claimed} AS claimed), "
+        )
+        taken_over = f"({expired} OR {stale})"
     return (
-        f"WITH inserted AS ("
-        f"INSERT INTO {table} AS r ({', '.join(column(name) for name in names)}) "
-        f"SELECT {', '.join(inserted(name) for name in names)} "
-        f"WHERE NOT EXISTS (SELECT 1 FROM {table} AS r WHERE {key}) "
-        f"ON CONFLICT ({column('scope')}, {column('key')}) DO NOTHING "
-        f"RETURNING {row}, {claimed} AS claimed), "
+        f"{first}"
         f"reclaimed AS ("
         f"UPDATE {table} AS r SET {', '.join(assignments)} "
-        f"WHERE {key} AND ({expired} OR {stale}) "
+        f"WHERE {key} AND {taken_over} "
         f"RETURNING {row}, {claimed} AS claimed) "
         f"SELECT *, {NOW} AS database_now, {lock_held} AS owner_lock FROM inserted UNION ALL "
         f"SELECT *, {NOW} AS database_now, {lock_held} AS owner_lock FROM reclaimed UNION ALL "

@@ -43,7 +43,20 @@ PROGRESS_EVERY_BATCHES = 10
 def sweep_expired_records(
     *, batch_size: int | None = None, now: datetime | None = None, dry_run: bool = False
 ) -> int:
-    """Delete idempotency records past their TTL; returns how many (would be) deleted."""
+    """Delete idempotency records past their TTL; returns how many (would be) deleted.
+
+    A partitioned records table (``RECORD_PARTITIONS``) is left to retention, which drops whole
+    partitions (``operations/partitions.py``): deleting row by row is the WAL, vacuum and bloat
+    the partitions exist to avoid. Claims treat an expired record as absent either way.
+    """
+    from django_idempotency.operations.partitions import is_partitioned
+
+    if is_partitioned(router.db_for_write(IdempotencyRecord)):
+        logger.debug(
+            "swept nothing: the records table is partitioned; retention drops its partitions",
+            extra={"sweep": "idempotency_records", "sweep_count": 0, "sweep_batches": 0},
+        )
+        return 0
     return _sweep(
         IdempotencyRecord,
         "idempotency_records",

@@ -5,7 +5,9 @@ The operations, each one short statement or transaction, each judged by the data
 
 * :func:`claim` runs in autocommit, committed before the view's transaction opens, so a
   concurrent duplicate sees the PROCESSING record at once and never waits on the first
-  request's business transaction. On PostgreSQL it is one statement for every path.
+  request's business transaction. On PostgreSQL it is one statement for every path; on a
+  records table partitioned by day (``RECORD_PARTITIONS``) that statement calls a function
+  that takes the key's lock and then claims, since no unique index spans the partitions.
 * :func:`complete` is one UPDATE inside the business transaction, fenced by the owner token: a
   request that lost its lease to a takeover updates nothing, and the caller rolls back.
 * :func:`release` deletes the record if this request still owns it, so a retry runs at once.
@@ -20,8 +22,10 @@ statement still reaches one shard. ``tests/test_shard_ready.py`` holds every pat
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +58,7 @@ from django_idempotency.core.types import (
 )
 from django_idempotency.db import database_now, dialect, prepared, to_datetime
 from django_idempotency.db import postgresql as pg
+from django_idempotency.exceptions import PartitionMissing
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.querysets import expired_q, stale_q
 from django_idempotency.request import presence
@@ -97,9 +102,9 @@ def claim(
     this key; the lease granted carries them, so its heartbeat and completion use them too.
     """
     using = database_alias()
-    claim_round = (
-        _claim_postgresql if connections[using].vendor == "postgresql" else _claim_portable
-    )
+    claim_round = _claim_portable
+    if connections[using].vendor == "postgresql":
+        claim_round = _claim_partitioned if conf.RECORD_PARTITIONS else _claim_postgresql
     terms = _Terms(lease_seconds, ttl_seconds)
     for _ in range(CLAIM_ROUNDS):
         decision = claim_round(identity, using, owner_token, terms)
@@ -399,6 +404,132 @@ def _claim_postgresql(
 ) -> Decision | None:
     """One statement (``db/postgresql.py``): claimed, or the row and the time to judge it by."""
     connection = connections[using]
+    params = _claim_params(identity, using, owner_token, terms)
+    owner_lock = presence.enabled(using)
+    # A plain cursor rather than .raw(): this runs on every write request, and building the row
+    # by hand costs a fraction of RawQuerySet's column resolution.
+    with prepared.cursor(connection) as cursor:
+        statement = _postgresql_claim_text(using, owner_lock, not connection.in_atomic_block)
+        cursor.execute(statement, params)
+        row = cursor.fetchone()
+        names = [column.name for column in cursor.description or ()]
+    return _claimed_or_judged(identity, using, owner_token, terms, row, names)
+
+
+def _claim_partitioned(
+    identity: Identity, using: str, owner_token: uuid.UUID, terms: _Terms
+) -> Decision | None:
+    """The claim on a records table partitioned by day (``RECORD_PARTITIONS``): the key's lock,
+    then the claim statement, each with its own snapshot (``pg.KEY_LOCK_STEP`` says why),
+    run by a server-side function (``pg.claim_function``) so that the client sends one
+    prepared statement, as the plain table's claim does.
+
+    A claim whose time falls in no partition fails with :class:`PartitionMissing`, having
+    written nothing: there is no default partition for it to land in unseen.
+    """
+    connection = connections[using]
+    params = _claim_params(identity, using, owner_token, terms)
+    owner_lock, own_transaction = presence.enabled(using), not connection.in_atomic_block
+    call = _claim_function(using, owner_lock, own_transaction)
+    try:
+        with prepared.cursor(connection) as cursor:
+            if call is None:  # inside a transaction, before the function exists: two statements
+                cursor.execute(pg.KEY_LOCK_STATEMENT, params)
+                call = _postgresql_claim_text(using, owner_lock, False, partitioned=True)
+            cursor.execute(call, params)
+            row = cursor.fetchone()
+            names = [column.name for column in cursor.description or ()]
+    except IntegrityError as exc:
+        if "no partition of relation" in str(exc):
+            raise PartitionMissing(
+                f"No partition of {IdempotencyRecord._meta.db_table} covers this claim's time "
+                f"(IDEMPOTENCY['RECORD_PARTITIONS'] is on). Create the partitions ahead: run "
+                f"`manage.py idempotency_partitions create` now, and schedule it (or the "
+                f"maintain_record_partitions task) daily."
+            ) from exc
+        raise
+    return _claimed_or_judged(identity, using, owner_token, terms, row, names)
+
+
+#: The claim functions known to exist, per database connection (the driver's connection: a new
+#: one, perhaps to a database made since, looks again).
+_functions_seen: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _claim_function(using: str, owner_lock: bool, own_transaction: bool) -> str | None:
+    """The call of the partitioned claim's function, created first if this connection has not
+    seen it yet; None inside a caller's transaction when it does not exist yet (created there,
+    it would stay invisible to every other claim, and its creator's lock held, until that
+    transaction ends). Its name carries a digest of its text: a new version of the statement
+    (or of the table's columns) is a new function, never one replaced under a running claim.
+    ``idempotency_partitions partition`` creates them ahead."""
+    connection = connections[using]
+    ddl, call, name = _claim_function_text(using, owner_lock, own_transaction)
+    connection.ensure_connection()
+    seen = _functions_seen.setdefault(connection.connection, set())
+    if name in seen:
+        return call
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT to_regproc(%s) IS NOT NULL", [name])
+        if not cursor.fetchone()[0]:
+            if connection.in_atomic_block:
+                return None
+            # Serialised: CREATE OR REPLACE of one function by two sessions at once can fail.
+            with transaction.atomic(using=using):
+                cursor.execute("SELECT pg_advisory_xact_lock(%s, 0)", [pg.RECORD_KEY_LOCK_CLASS])
+                cursor.execute(ddl)
+    seen.add(name)
+    return call
+
+
+def create_claim_functions(using: str) -> None:
+    """Create every variant of the partitioned claim's function, outside any transaction."""
+    for owner_lock in (False, True):
+        for own_transaction in (False, True):
+            ddl, _, _ = _claim_function_text(using, owner_lock, own_transaction)
+            with transaction.atomic(using=using), connections[using].cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s, 0)", [pg.RECORD_KEY_LOCK_CLASS])
+                cursor.execute(ddl)
+
+
+@functools.lru_cache(maxsize=16)
+def _claim_function_text(
+    using: str, owner_lock: bool, own_transaction: bool
+) -> tuple[str, str, str]:
+    connection = connections[using]
+    statement = _postgresql_claim_text(using, owner_lock, own_transaction, partitioned=True)
+    types = {name: str(_field(name).db_type(connection)) for name in _CLAIM_COLUMNS}
+    parameters = [
+        (name, types[name])
+        for name in ("scope", "key", "fingerprint", "owner_token", "method", "path")
+    ]
+    parameters += [("lease_seconds", "double precision"), ("expiry_seconds", "double precision")]
+    if owner_lock:
+        parameters.append(("owner_lock", "integer"))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT attname, format_type(atttypid, NULL) FROM pg_attribute "
+            "WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped",
+            [connection.ops.quote_name(IdempotencyRecord._meta.db_table)],
+        )
+        column_types = dict(cursor.fetchall())
+    returned = [(_column(name), column_types[_column(name)]) for name in _concrete_names()]
+    returned += [
+        ("claimed", "boolean"),
+        ("database_now", "timestamp with time zone"),
+        ("owner_lock", "boolean"),
+    ]
+    insert = _postgresql_claim_text(using, owner_lock, own_transaction, insert_only=True)
+    text = f"{pg.KEY_LOCK_STEP}{insert}{statement}{parameters}{returned}"
+    name = f"django_idempotency_claim_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    ddl, call = pg.claim_function(name, statement, parameters, returned, insert=insert)
+    return ddl, call, name
+
+
+def _claim_params(
+    identity: Identity, using: str, owner_token: uuid.UUID, terms: _Terms
+) -> dict[str, Any]:
+    connection = connections[using]
     values: dict[str, Any] = {
         "scope": identity.scope,
         "key": identity.key,
@@ -412,15 +543,19 @@ def _claim_postgresql(
     }
     params["lease_seconds"] = terms.lease_seconds
     params["expiry_seconds"] = terms.lease_seconds + terms.ttl_seconds
-    owner_lock = presence.enabled(using)
     params["owner_lock"] = presence.lock_id(owner_token)
-    # A plain cursor rather than .raw(): this runs on every write request, and building the row
-    # by hand costs a fraction of RawQuerySet's column resolution.
-    with prepared.cursor(connection) as cursor:
-        statement = _postgresql_claim_text(using, owner_lock, not connection.in_atomic_block)
-        cursor.execute(statement, params)
-        row = cursor.fetchone()
-        names = [column.name for column in cursor.description or ()]
+    return params
+
+
+def _claimed_or_judged(
+    identity: Identity,
+    using: str,
+    owner_token: uuid.UUID,
+    terms: _Terms,
+    row: Any,
+    names: list[str],
+) -> Decision | None:
+    """The claim statement's row: the lease it won, or the state machine's decision on it."""
     if row is None:
         return None
     *columns, claimed, now, held = row
@@ -459,7 +594,13 @@ _CLAIM_LITERALS = {
 
 
 @functools.lru_cache(maxsize=16)
-def _postgresql_claim_text(using: str, owner_lock: bool, own_transaction: bool) -> str:
+def _postgresql_claim_text(
+    using: str,
+    owner_lock: bool,
+    own_transaction: bool,
+    partitioned: bool = False,
+    insert_only: bool = False,
+) -> str:
     """The claim statement; its text depends only on the connection, so it is built once.
 
     Only a claim that is its own transaction commits asynchronously: inside a caller's open
@@ -475,6 +616,8 @@ def _postgresql_claim_text(using: str, owner_lock: bool, own_transaction: bool) 
         returned=[quote(_column(name)) for name in _concrete_names()],
         owner_lock=owner_lock,
         asynchronous_commit=own_transaction,
+        partitioned=partitioned,
+        insert_only=insert_only,
     )
 
 

@@ -1,0 +1,549 @@
+"""Day partitions of the idempotency records table on PostgreSQL (``RECORD_PARTITIONS``).
+
+The layout: the records table is partitioned by range on ``created_at`` (the claim's database
+time), one partition per ``PARTITION_SPAN_DAYS`` days, aligned on UTC midnights, named
+``<table>_p<YYYYMMDD>`` after its first day. There is no default partition: a claim whose time
+no partition covers fails (:class:`~django_idempotency.exceptions.PartitionMissing`) instead of
+landing somewhere retention would later drop unseen. Each partition carries its own primary key
+``(id)`` and unique ``(scope, key)``; the parent has neither (PostgreSQL requires the partition
+column in a partitioned table's unique indexes), and uniqueness across partitions is the claim's
+key lock (``db/postgresql.py``, ``KEY_LOCK_STEP``). The model's other indexes are partitioned
+indexes on the parent, under the model's names.
+
+Three operations, each a plain function the management command and the Celery task call:
+
+* :func:`create_partitions`: the partitions from today's to ``PARTITION_AHEAD_DAYS`` ahead.
+* :func:`apply_retention`: detach and drop each partition whose every row is past its TTL, and
+  refuse (naming it and its live rows) a partition that still holds a live record.
+* :func:`partition_table` / :func:`unpartition_table`: the migration from the plain table and
+  back (docs/operations.md states the downtime of each).
+
+Every DDL statement runs with ``lock_timeout`` (:data:`LOCK_TIMEOUT`): a statement that needs
+the parent's ACCESS EXCLUSIVE lock waits behind long transactions, and while it waits, every
+claim queues behind it; giving up and trying again later is cheaper than that queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db import connections, router, transaction
+from django.utils.dateparse import parse_datetime
+
+from django_idempotency.conf import conf
+from django_idempotency.db import database_now
+from django_idempotency.exceptions import IdempotencyConfigurationError
+from django_idempotency.models import IdempotencyRecord
+
+__all__ = [
+    "EPOCH",
+    "LEGACY_SUFFIX",
+    "LOCK_TIMEOUT",
+    "Partition",
+    "RetentionOutcome",
+    "apply_retention",
+    "create_partition",
+    "create_partitions",
+    "is_partitioned",
+    "live_rows",
+    "maintain",
+    "partition_table",
+    "partitions",
+    "unpartition_table",
+    "window_start",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Partitions are aligned on whole spans of days counted from here (UTC).
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+#: The plain table, once attached as the first partition, is ``<table>_legacy``.
+LEGACY_SUFFIX = "_legacy"
+#: How long a DDL statement waits for its lock before it gives up (and is tried again).
+LOCK_TIMEOUT = "5s"
+#: Tries of a DDL transaction that timed out waiting for its lock.
+LOCK_TRIES = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """One partition: its name and range (``start`` None: from MINVALUE, the legacy one)."""
+
+    name: str
+    start: datetime | None
+    end: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionOutcome:
+    """What retention did with one partition old enough to drop."""
+
+    partition: str
+    #: ``"dropped"``, ``"refused"`` (it holds live records) or ``"due"`` (a dry run).
+    action: str
+    #: Live records found in it (only when refused).
+    live: int = 0
+
+
+def _using() -> str:
+    return router.db_for_write(IdempotencyRecord)
+
+
+def _table() -> str:
+    return IdempotencyRecord._meta.db_table
+
+
+def _quote(using: str, name: str) -> str:
+    return str(connections[using].ops.quote_name(name))
+
+
+def _column(name: str) -> str:
+    return str(IdempotencyRecord._meta.get_field(name).column)  # type: ignore[union-attr]
+
+
+def _require_postgresql(using: str) -> None:
+    vendor = connections[using].vendor
+    if vendor != "postgresql":
+        raise IdempotencyConfigurationError(
+            f"IDEMPOTENCY['RECORD_PARTITIONS'] needs PostgreSQL; the records database "
+            f"{using!r} is {vendor!r}. Keep the setting off there: the sweep "
+            f"(idempotency_sweep) keeps the table small."
+        )
+
+
+def is_partitioned(using: str | None = None) -> bool:
+    """Whether the records table is partitioned (always False off PostgreSQL)."""
+    using = using or _using()
+    if connections[using].vendor != "postgresql":
+        return False
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT relkind FROM pg_class WHERE oid = to_regclass(%s)", [_quote(using, _table())]
+        )
+        row = cursor.fetchone()
+    return row is not None and row[0] == "p"
+
+
+def window_start(moment: datetime, span_days: int | None = None) -> datetime:
+    """The start of the partition window that holds ``moment``."""
+    span = timedelta(days=span_days or conf.PARTITION_SPAN_DAYS)
+    return EPOCH + ((moment - EPOCH) // span) * span
+
+
+def partition_name(start: datetime) -> str:
+    return f"{_table()}_p{start.astimezone(UTC):%Y%m%d}"
+
+
+def partitions(using: str | None = None) -> list[Partition]:
+    """The table's partitions, oldest first (the legacy one, from MINVALUE, before all)."""
+    using = using or _using()
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT child.relname, pg_get_expr(child.relpartbound, child.oid) "
+            "FROM pg_inherits JOIN pg_class child ON child.oid = pg_inherits.inhrelid "
+            "WHERE pg_inherits.inhparent = to_regclass(%s)",
+            [_quote(using, _table())],
+        )
+        rows = cursor.fetchall()
+    found = []
+    for name, bound in rows:
+        # FOR VALUES FROM ('2026-01-01 00:00:00+00') TO ('2026-01-02 00:00:00+00')
+        lower, upper = bound.split(" FROM (", 1)[1].split(") TO (", 1)
+        start = None if lower == "MINVALUE" else _bound(lower)
+        found.append(Partition(str(name), start, _bound(upper.rstrip(")"))))
+    return sorted(found, key=lambda part: part.end)
+
+
+def _bound(text: str) -> datetime:
+    """A range bound as ``pg_get_expr`` prints it (in the session's time zone, UTC)."""
+    parsed = parse_datetime(text.strip("'"))
+    if parsed is None:
+        raise ValueError(f"not a partition bound: {text!r}")
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+@contextmanager
+def _ddl(using: str) -> Iterator[Any]:
+    """A transaction for DDL, with ``lock_timeout``: tried again a few times when it timed
+    out waiting for a lock (callers pass a function; see :func:`_retrying`)."""
+    with transaction.atomic(using=using), connections[using].cursor() as cursor:
+        cursor.execute("SELECT set_config('lock_timeout', %s, true)", [LOCK_TIMEOUT])
+        yield cursor
+
+
+def _retrying(using: str, work: Any) -> Any:
+    """Run ``work(cursor)`` in a :func:`_ddl` transaction, again after a lock timeout."""
+    from django.db import OperationalError
+
+    for attempt in range(1, LOCK_TRIES + 1):
+        try:
+            with _ddl(using) as cursor:
+                return work(cursor)
+        except OperationalError as exc:
+            if "lock timeout" not in str(exc) or attempt == LOCK_TRIES:
+                raise
+            logger.warning("partition DDL waited %s for a lock; trying again", LOCK_TIMEOUT)
+            time.sleep(attempt)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _partition_ddl(using: str, name: str, start: datetime, end: datetime) -> list[str]:
+    table, part = _quote(using, _table()), _quote(using, name)
+    return [
+        f"CREATE TABLE {part} PARTITION OF {table} FOR VALUES FROM ('{start.isoformat()}') "
+        f"TO ('{end.isoformat()}')",
+        f"ALTER TABLE {part} ADD CONSTRAINT {_quote(using, name + '_pkey')} "
+        f"PRIMARY KEY ({_quote(using, _column('id'))}), "
+        f"ADD CONSTRAINT {_quote(using, name + '_scope_key_uniq')} "
+        f"UNIQUE ({_quote(using, _column('scope'))}, {_quote(using, _column('key'))})",
+    ]
+
+
+def create_partition(
+    start: datetime, end: datetime, *, name: str | None = None, using: str | None = None
+) -> str:
+    """Create one partition ``[start, end)`` with its primary key and unique ``(scope, key)``
+    (both empty, so instant). Takes the parent's ACCESS EXCLUSIVE lock for a moment."""
+    using = using or _using()
+    name = name or partition_name(start)
+
+    def work(cursor: Any) -> None:
+        for statement in _partition_ddl(using, name, start, end):
+            cursor.execute(statement)
+
+    _retrying(using, work)
+    logger.info("created partition %s", name, extra={"partition": name})
+    return name
+
+
+def create_partitions(
+    *, ahead_days: int | None = None, now: datetime | None = None, dry_run: bool = False
+) -> list[str]:
+    """Create the partitions from the one holding ``now`` (the database's time) to
+    ``ahead_days`` (``PARTITION_AHEAD_DAYS``) ahead, where none covers them yet. Returns the
+    names created (or that would be)."""
+    using = _using()
+    _require_postgresql(using)
+    if not is_partitioned(using):
+        raise IdempotencyConfigurationError(
+            f"{_table()} is not partitioned: run `manage.py idempotency_partitions partition` "
+            "first (docs/operations.md)."
+        )
+    now = now or database_now(using)
+    span = timedelta(days=conf.PARTITION_SPAN_DAYS)
+    horizon = now + timedelta(days=conf.PARTITION_AHEAD_DAYS if ahead_days is None else ahead_days)
+    existing = partitions(using)
+    covered_until = max((part.end for part in existing), default=None)
+    start = window_start(now)
+    if covered_until is not None and covered_until > start:
+        start = covered_until
+    created = []
+    while start <= horizon:
+        # A range left off the grid (a legacy bound between two midnights) ends at the next one.
+        end = window_start(start) + span
+        name = partition_name(start)
+        if not dry_run:
+            create_partition(start, end, name=name, using=using)
+        created.append(name)
+        start = end
+    return created
+
+
+def _live_condition(using: str) -> str:
+    """``NOT statemachine.is_expired`` in SQL, with ``%s`` the time: unexpired, or held under
+    a running lease. Both halves are served by the model's indexes."""
+
+    def col(name: str) -> str:
+        return _quote(using, _column(name))
+
+    return (
+        f"({col('expires_at')} > %s OR ({col('status')} IN ('PROCESSING', 'ACCEPTED') "
+        f"AND {col('lease_expires_at')} > %s))"
+    )
+
+
+def live_rows(name: str, now: datetime, using: str | None = None) -> int:
+    """How many live records the partition ``name`` holds at ``now``."""
+    using = using or _using()
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            f"SELECT count(*) FROM {_quote(using, name)} WHERE {_live_condition(using)}",
+            [now, now],
+        )
+        return int(cursor.fetchone()[0])
+
+
+def apply_retention(
+    *, now: datetime | None = None, dry_run: bool = False
+) -> list[RetentionOutcome]:
+    """Detach and drop every partition that ended more than ``TTL_SECONDS`` ago and holds no
+    live record (what the sweep would delete, all of it). A partition that still holds one is
+    refused, logged at WARNING with its name and count, and left for a later run.
+
+    Each drop is one short transaction: the parent is locked (ACCESS EXCLUSIVE, as the detach
+    needs; taken first, in the order claims take their locks), the live rows are counted under
+    that lock (an owner completing an old record cannot revive it meanwhile), then the
+    partition is detached, and dropped once detached. Claims wait for the moment it takes.
+    """
+    using = _using()
+    _require_postgresql(using)
+    now = now or database_now(using)
+    cutoff = now - timedelta(seconds=conf.TTL_SECONDS)
+    outcomes = []
+    for part in partitions(using):
+        if part.end > cutoff:
+            continue
+        if dry_run:
+            live = live_rows(part.name, now, using)
+            outcomes.append(RetentionOutcome(part.name, "refused" if live else "due", live))
+            continue
+        outcomes.append(_drop_if_dead(using, part, now))
+    return outcomes
+
+
+def _drop_if_dead(using: str, part: Partition, now: datetime) -> RetentionOutcome:
+    table, name = _quote(using, _table()), _quote(using, part.name)
+
+    def work(cursor: Any) -> int:
+        cursor.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        live = live_rows(part.name, now, using)
+        if live:
+            return live
+        cursor.execute(f"ALTER TABLE {table} DETACH PARTITION {name}")
+        cursor.execute(f"DROP TABLE {name}")
+        return 0
+
+    live = int(_retrying(using, work))
+    if live:
+        logger.warning(
+            "retention refused to drop partition %s: it holds %d live records",
+            part.name,
+            live,
+            extra={"partition": part.name, "live_records": live},
+        )
+        return RetentionOutcome(part.name, "refused", live)
+    logger.info("dropped partition %s", part.name, extra={"partition": part.name})
+    return RetentionOutcome(part.name, "dropped")
+
+
+def maintain(*, dry_run: bool = False) -> dict[str, Any]:
+    """What the hourly task and ``idempotency_partitions maintain`` do: create the partitions
+    ahead, then apply retention. Nothing (``{"skipped": ...}``) unless ``RECORD_PARTITIONS`` is
+    on and the table is partitioned, so the task can sit in every project's beat schedule."""
+    using = _using()
+    if not conf.RECORD_PARTITIONS:
+        return {"skipped": "RECORD_PARTITIONS is off"}
+    if not is_partitioned(using):
+        logger.warning(
+            "RECORD_PARTITIONS is on but %s is not partitioned: run "
+            "`manage.py idempotency_partitions partition` (docs/operations.md)",
+            _table(),
+        )
+        return {"skipped": "the records table is not partitioned"}
+    created = create_partitions(dry_run=dry_run)
+    outcomes = apply_retention(dry_run=dry_run)
+    return {
+        "created": created,
+        "dropped": [outcome.partition for outcome in outcomes if outcome.action == "dropped"],
+        "due": [outcome.partition for outcome in outcomes if outcome.action == "due"],
+        "refused": {
+            outcome.partition: outcome.live for outcome in outcomes if outcome.action == "refused"
+        },
+    }
+
+
+# --- migration ---------------------------------------------------------------------------------
+
+
+def _index_statements(using: str, table: str) -> list[str]:
+    """The model's non-unique indexes (``Meta.indexes``), on ``table``, under their names."""
+    statements = []
+    for index in IdempotencyRecord._meta.indexes:
+        columns = ", ".join(_quote(using, _column(field)) for field in index.fields)
+        statements.append(
+            f"CREATE INDEX {_quote(using, str(index.name))} ON {_quote(using, table)} ({columns})"
+        )
+    return statements
+
+
+def _next_id(cursor: Any, using: str, table: str) -> int:
+    """The next id ``table``'s identity would give (at least one past every id it holds)."""
+    quoted = _quote(using, table)
+    cursor.execute(
+        "SELECT GREATEST("
+        f"(SELECT COALESCE(max({_quote(using, _column('id'))}), 0) FROM {quoted}), "
+        "COALESCE(pg_sequence_last_value(pg_get_serial_sequence(%s, %s)::regclass), 0)) + 1",
+        [quoted, _column("id")],
+    )
+    return int(cursor.fetchone()[0])
+
+
+def _legacy_index(legacy: str, index: str) -> str:
+    return f"{legacy}_{index.removeprefix(IdempotencyRecord._meta.app_label + '_')}"
+
+
+def _drop_check(using: str, check: str) -> str:
+    return f"ALTER TABLE {_quote(using, _table())} DROP CONSTRAINT IF EXISTS {_quote(using, check)}"
+
+
+def default_bound(now: datetime) -> datetime:
+    """Where the legacy partition ends: the first window boundary at least an hour away, so
+    the steps before the swap have time to finish before claims cross it."""
+    return window_start(now + timedelta(hours=1)) + timedelta(days=conf.PARTITION_SPAN_DAYS)
+
+
+def partition_table(
+    *, bound: datetime | None = None, ahead_days: int | None = None, verbose: Any = None
+) -> datetime:
+    """Move the plain records table to the partitioned layout, writes continuing.
+
+    1. A CHECK ``created_at < bound`` is added NOT VALID (a moment's lock), then validated
+       (a scan that blocks no write); the ``lock_timeout`` applies to the first.
+    2. One short transaction (metadata only, no row is read or copied): the plain table is
+       renamed ``<table>_legacy`` (its model-named indexes too), a partitioned parent takes the
+       table's name, columns, identity (continued from the plain table's) and indexes, the plain
+       table is attached as its partition from MINVALUE to ``bound`` (the validated CHECK spares
+       the scan), and the partitions from ``bound`` on are created.
+
+    Claims must already run with ``RECORD_PARTITIONS`` on (their key lock; the plain table's
+    unique constraint still holds meanwhile). The legacy partition is dropped by retention once
+    all its records expired. Returns ``bound``.
+    """
+    using = _using()
+    _require_postgresql(using)
+    if not conf.RECORD_PARTITIONS:
+        raise IdempotencyConfigurationError(
+            "Set IDEMPOTENCY['RECORD_PARTITIONS'] = True and deploy it to every process before "
+            "partitioning: claims without it use ON CONFLICT (scope, key), which a partitioned "
+            "table cannot serve."
+        )
+    if is_partitioned(using):
+        raise IdempotencyConfigurationError(f"{_table()} is partitioned already.")
+    say = verbose or (lambda message: None)
+    now = database_now(using)
+    bound = bound or default_bound(now)
+    table = _table()
+    legacy = f"{table}{LEGACY_SUFFIX}"
+    check = f"{legacy}_bound"
+    qtable, qlegacy = _quote(using, table), _quote(using, legacy)
+    created_at = _quote(using, _column("created_at"))
+
+    def add_check(cursor: Any) -> None:
+        # A run killed between this step and the swap may have left its CHECK: replaced.
+        cursor.execute(
+            f"ALTER TABLE {qtable} DROP CONSTRAINT IF EXISTS {_quote(using, check)}, "
+            f"ADD CONSTRAINT {_quote(using, check)} "
+            f"CHECK ({created_at} < '{bound.isoformat()}') NOT VALID"
+        )
+
+    def swap(cursor: Any) -> None:
+        cursor.execute(f"LOCK TABLE {qtable} IN ACCESS EXCLUSIVE MODE")
+        next_id = _next_id(cursor, using, table)
+        cursor.execute(f"ALTER TABLE {qtable} RENAME TO {qlegacy}")
+        for index in IdempotencyRecord._meta.indexes:
+            cursor.execute(
+                f"ALTER INDEX {_quote(using, str(index.name))} "
+                f"RENAME TO {_quote(using, _legacy_index(legacy, str(index.name)))}"
+            )
+        cursor.execute(
+            f"CREATE TABLE {qtable} (LIKE {qlegacy} INCLUDING DEFAULTS INCLUDING IDENTITY "
+            f"INCLUDING STORAGE INCLUDING COMPRESSION) PARTITION BY RANGE ({created_at})"
+        )
+        cursor.execute(
+            f"ALTER TABLE {qtable} ALTER COLUMN {_quote(using, _column('id'))} "
+            f"RESTART WITH {next_id}"
+        )
+        for statement in _index_statements(using, table):
+            cursor.execute(statement)
+        cursor.execute(
+            f"ALTER TABLE {qtable} ATTACH PARTITION {qlegacy} "
+            f"FOR VALUES FROM (MINVALUE) TO ('{bound.isoformat()}')"
+        )
+        end = window_start(bound) + timedelta(days=conf.PARTITION_SPAN_DAYS)
+        for statement in _partition_ddl(using, partition_name(bound), bound, end):
+            cursor.execute(statement)
+
+    from django_idempotency.request.store import create_claim_functions
+
+    create_claim_functions(using)
+    say("Created the claim functions.")
+    _retrying(using, add_check)
+    say(f"Added CHECK {check} ({created_at} < {bound.isoformat()}) NOT VALID.")
+    try:
+        started = time.monotonic()
+        with connections[using].cursor() as cursor:
+            cursor.execute(f"ALTER TABLE {qtable} VALIDATE CONSTRAINT {_quote(using, check)}")
+        say(f"Validated it in {time.monotonic() - started:.2f} s (writes continued).")
+
+        started = time.monotonic()
+        _retrying(using, swap)
+        say(f"Swapped in the partitioned table in {time.monotonic() - started:.3f} s.")
+    except BaseException:
+        # Left behind, the CHECK would refuse every claim once the database's clock passed the
+        # bound. (The swap is one transaction: it happened entirely or not at all.)
+        if not is_partitioned(using):
+            _retrying(using, lambda cursor: cursor.execute(_drop_check(using, check)))
+        raise
+    create_partitions(ahead_days=ahead_days)
+    return bound
+
+
+def unpartition_table(*, verbose: Any = None) -> float:
+    """Move the partitioned records table back to one plain table; returns the seconds writes
+    were stopped.
+
+    One transaction: the parent is locked (ACCESS EXCLUSIVE: claims and reads wait), every row
+    is copied into a new plain table, the partitioned table is dropped, the new one
+    takes its name, its identity (continued), primary key, unique ``(scope, key)`` and indexes
+    under the model's names. Claims wait for the whole copy (docs/operations.md gives the time
+    per million rows); turn ``RECORD_PARTITIONS`` off once it is done.
+    """
+    using = _using()
+    _require_postgresql(using)
+    if not is_partitioned(using):
+        raise IdempotencyConfigurationError(f"{_table()} is not partitioned.")
+    say = verbose or (lambda message: None)
+    table = _table()
+    copy = f"{table}_unpartitioning"
+    qtable, qcopy = _quote(using, table), _quote(using, copy)
+    id_column = _quote(using, _column("id"))
+
+    def work(cursor: Any) -> float:
+        # ACCESS EXCLUSIVE from the start, though the copy only needs writes stopped: a claim
+        # holding ACCESS SHARE (its lookup) and then asking ROW EXCLUSIVE (its write) would
+        # deadlock with the DROP below, which needs ACCESS EXCLUSIVE.
+        cursor.execute(f"LOCK TABLE {qtable} IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        cursor.execute(
+            f"CREATE TABLE {qcopy} (LIKE {qtable} INCLUDING DEFAULTS INCLUDING IDENTITY "
+            f"INCLUDING STORAGE INCLUDING COMPRESSION)"
+        )
+        cursor.execute(f"INSERT INTO {qcopy} OVERRIDING SYSTEM VALUE SELECT * FROM {qtable}")
+        next_id = _next_id(cursor, using, table)
+        cursor.execute(f"DROP TABLE {qtable}")
+        cursor.execute(f"ALTER TABLE {qcopy} RENAME TO {qtable}")
+        cursor.execute(f"ALTER TABLE {qtable} ALTER COLUMN {id_column} RESTART WITH {next_id}")
+        cursor.execute(
+            f"ALTER TABLE {qtable} ADD CONSTRAINT {_quote(using, table + '_pkey')} "
+            f"PRIMARY KEY ({id_column})"
+        )
+        for constraint in IdempotencyRecord._meta.constraints:
+            fields = getattr(constraint, "fields", ())
+            columns = ", ".join(_quote(using, _column(field)) for field in fields)
+            cursor.execute(
+                f"ALTER TABLE {qtable} ADD CONSTRAINT {_quote(using, constraint.name)} "
+                f"UNIQUE ({columns})"
+            )
+        for statement in _index_statements(using, table):
+            cursor.execute(statement)
+        return time.monotonic() - started
+
+    seconds = float(_retrying(using, work))
+    say(f"Copied {table} into a plain table; writes waited {seconds:.2f} s.")
+    return seconds
