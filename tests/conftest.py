@@ -26,7 +26,10 @@ hypothesis_settings.load_profile("shared-machine")
 
 def pytest_report_header(config: pytest.Config) -> str:
     database = settings.DATABASES["default"]
-    return f"database: {database['ENGINE']} {database.get('HOST') or database['NAME']}"
+    header = f"database: {database['ENGINE']} {database.get('HOST') or database['NAME']}"
+    if getattr(settings, "OUTBOX_PARTITIONED", False):
+        header += "\noutbox: partitioned by day (IDEMPOTENCY_TEST_OUTBOX_PARTITIONED)"
+    return header
 
 
 def require_service(name: str) -> str:
@@ -131,6 +134,25 @@ def gate() -> Iterator[Any]:
     for name in names:
         views.gates.pop(name).set()
         views.started.pop(name, None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def outbox_partitioned(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
+    """With ``IDEMPOTENCY_TEST_OUTBOX_PARTITIONED`` (tests/settings.py), the outbox table is
+    partitioned for the whole run, its first partition starting 20 s into it: the run's events
+    land on both sides of a partition boundary."""
+    if not getattr(settings, "OUTBOX_PARTITIONED", False):
+        yield
+        return
+    from datetime import timedelta
+
+    from django_idempotency.db import database_now
+    from django_idempotency.operations import partitions
+
+    with django_db_blocker.unblock():
+        bound = database_now("default") + timedelta(seconds=20)
+        partitions.partition_table(bound=bound, layout=partitions.OUTBOX)
+    yield
 
 
 @pytest.fixture

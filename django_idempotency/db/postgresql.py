@@ -330,6 +330,11 @@ def _value(name: str) -> str:
 #: ``crc32("django_idempotency.outbox") & 0x7fffffff``).
 OUTBOX_KEY_LOCK_CLASS = 1_638_184_608
 
+#: Class id of the event-id locks ``publish()`` takes on a partitioned outbox
+#: (``OUTBOX_PARTITIONS``) for an event id it was given: unique ``(event_id)`` holds only within
+#: each partition, so the lock serialises the look-up across partitions and the INSERT.
+EVENT_ID_LOCK_CLASS = 1_638_184_613
+
 #: Class id of the relay locks: a relay holds one per claimed batch, from the claim to the ack,
 #: so another relay can tell a batch whose relay is gone from one still being published.
 RELAY_LOCK_CLASS = 1_638_184_610
@@ -366,7 +371,11 @@ KEY_HASH = "hashtext"
 
 
 def before_outbox_insert(
-    connection: BaseDatabaseWrapper, *, lock_key: str | None, notify_channel: str | None
+    connection: BaseDatabaseWrapper,
+    *,
+    lock_key: str | None,
+    notify_channel: str | None,
+    lock_event_id: str | None = None,
 ) -> None:
     """What ``publish()`` does before its INSERT, in one round trip (none if there is nothing).
 
@@ -378,12 +387,19 @@ def before_outbox_insert(
 
     ``notify_channel``: ``NOTIFY`` it, which PostgreSQL delivers at commit and drops on rollback,
     so listening relays wake only for committed events.
+
+    ``lock_event_id``: take the event id's transaction-scoped lock (:data:`EVENT_ID_LOCK_CLASS`),
+    after the key's: a second transaction publishing the same id waits until this one ends, and
+    its look-up (the next statement, a fresh snapshot) then sees this one's event.
     """
     calls: list[str] = []
     params: list[int | str] = []
     if lock_key:
         calls.append("pg_advisory_xact_lock(%s, hashtext(%s::text))")
         params += [OUTBOX_KEY_LOCK_CLASS, lock_key]
+    if lock_event_id:
+        calls.append("pg_advisory_xact_lock(%s, hashtext(%s::text))")
+        params += [EVENT_ID_LOCK_CLASS, lock_event_id]
     if notify_channel:
         calls.append("pg_notify(%s, '')")
         params.append(notify_channel)
