@@ -162,8 +162,8 @@ W040 = "django_idempotency.W040"  # the CACHE_ALIAS cache has no socket timeouts
 E060 = "django_idempotency.E060"  # REGISTER_ADMIN, METRICS or TRACING is not a boolean
 W060 = "django_idempotency.W060"  # METRICS set to True but prometheus_client is not installed
 W061 = "django_idempotency.W061"  # TRACING set to True but opentelemetry-api is not installed
-# Storage at scale: the partitioned records and outbox tables (E082-W081: either table)
-E080 = "django_idempotency.E080"  # RECORD_PARTITIONS or OUTBOX_PARTITIONS is not a boolean
+# Storage at scale: the partitioned records, outbox and inbox tables (E082-W081: any of them)
+E080 = "django_idempotency.E080"  # RECORD_/OUTBOX_/INBOX_PARTITIONS is not a boolean
 E081 = "django_idempotency.E081"  # PARTITION_SPAN_DAYS or PARTITION_AHEAD_DAYS not a positive int
 E082 = "django_idempotency.E082"  # RECORD_PARTITIONS on, the records database is not PostgreSQL
 E083 = "django_idempotency.E083"  # the records table is partitioned, RECORD_PARTITIONS is off
@@ -806,6 +806,12 @@ _PARTITIONED = (
         "publish() with a given event_id would not look it up across partitions, and no task "
         "would create the partitions ahead",
     ),
+    (
+        "INBOX_PARTITIONS",
+        "inbox",
+        "every consumer would fail (ON CONFLICT needs a unique index the partitioned table "
+        "cannot have)",
+    ),
 )
 
 
@@ -884,9 +890,9 @@ def _next_partition_missing(c: Context) -> Iterator[Finding]:
             yield {
                 "label": label,
                 "until": "nothing" if covered_until is None else covered_until.isoformat(),
-                "table": "" if label == "records" else " --table outbox",
+                "table": "" if label == "records" else f" --table {label}",
                 "task": f"maintain_{'record' if label == 'records' else label}_partitions",
-                "writes": "claims" if label == "records" else "publish()",
+                "writes": {"records": "claims", "outbox": "publish()"}.get(label, "consumers"),
             }
 
 
@@ -1247,7 +1253,11 @@ OPERATIONS_CHECKS: tuple[Check, ...] = (
 )
 
 STORAGE_CHECKS: tuple[Check, ...] = (
-    Check(E080, _not_booleans("RECORD_PARTITIONS", "OUTBOX_PARTITIONS"), BOOLEAN_MESSAGE),
+    Check(
+        E080,
+        _not_booleans("RECORD_PARTITIONS", "OUTBOX_PARTITIONS", "INBOX_PARTITIONS"),
+        BOOLEAN_MESSAGE,
+    ),
     Check(
         E081,
         _bad_numbers("PARTITION_SPAN_DAYS", "PARTITION_AHEAD_DAYS", whole=True),

@@ -66,8 +66,9 @@ class IdempotencyConfigurationError(IdempotencyError, ImproperlyConfigured):
 
 class PartitionMissing(IdempotencyError):
     """A claim found no partition of the records table for its time (``RECORD_PARTITIONS``),
-    or ``publish()`` none of the outbox table (``OUTBOX_PARTITIONS``): the partitions ahead
-    were not created. Nothing was written."""
+    ``publish()`` none of the outbox table (``OUTBOX_PARTITIONS``), or a consumer none of the
+    inbox table (``INBOX_PARTITIONS``): the partitions ahead were not created. Nothing was
+    written."""
 
 
 class LeaseLost(IdempotencyError):

@@ -27,8 +27,8 @@ hypothesis_settings.load_profile("shared-machine")
 def pytest_report_header(config: pytest.Config) -> str:
     database = settings.DATABASES["default"]
     header = f"database: {database['ENGINE']} {database.get('HOST') or database['NAME']}"
-    if getattr(settings, "OUTBOX_PARTITIONED", False):
-        header += "\noutbox: partitioned by day (IDEMPOTENCY_TEST_OUTBOX_PARTITIONED)"
+    if getattr(settings, "PARTITIONED_TABLES", None):
+        header += f"\npartitioned by day: {', '.join(settings.PARTITIONED_TABLES)}"
     return header
 
 
@@ -137,11 +137,12 @@ def gate() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def outbox_partitioned(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
-    """With ``IDEMPOTENCY_TEST_OUTBOX_PARTITIONED`` (tests/settings.py), the outbox table is
-    partitioned for the whole run, its first partition starting 20 s into it: the run's events
-    land on both sides of a partition boundary."""
-    if not getattr(settings, "OUTBOX_PARTITIONED", False):
+def tables_partitioned(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
+    """With ``IDEMPOTENCY_TEST_PARTITIONED`` (tests/settings.py), those tables are partitioned
+    for the whole run, their first partition starting 20 s into it: the run's rows land on both
+    sides of a partition boundary."""
+    labels = getattr(settings, "PARTITIONED_TABLES", [])
+    if not labels:
         yield
         return
     from datetime import timedelta
@@ -151,7 +152,8 @@ def outbox_partitioned(django_db_setup: Any, django_db_blocker: Any) -> Iterator
 
     with django_db_blocker.unblock():
         bound = database_now("default") + timedelta(seconds=20)
-        partitions.partition_table(bound=bound, layout=partitions.OUTBOX)
+        for label in labels:
+            partitions.partition_table(bound=bound, layout=partitions.LAYOUTS[label])
     yield
 
 

@@ -473,8 +473,10 @@ def test_not_a_dict_stops_the_other_settings_checks(project: Project) -> None:
     assert [message.id for message in checks.check_settings()] == [checks.E001]
 
 
-def test_the_partition_checks_name_the_outbox_table(project: Project, monkeypatch) -> None:
-    """E082, E083, W080 and W081 speak of either partitioned table: here the outbox's."""
+def test_the_partition_checks_name_the_outbox_and_inbox_tables(
+    project: Project, monkeypatch
+) -> None:
+    """E082, E083, W080 and W081 speak of any partitioned table: here the outbox and inbox."""
     project.idempotency(OUTBOX_PARTITIONS="maybe")
     assert checks.E080 in reported(project.check())
     for fire, (check_id, text) in {
@@ -496,7 +498,11 @@ def test_the_partition_checks_name_the_outbox_table(project: Project, monkeypatc
             report = project.check()
         assert reported(report) & {checks.E083, checks.W080, checks.W081} == {check_id}, report
         assert text in " ".join(report.split()), report
-    project.monkeypatch = monkeypatch
+    project.monkeypatch = monkeypatch  # the test's own again, undone after it
+    records_layout(project, partitioned=True, table="inbox", INBOX_PARTITIONS=False)
+    report = " ".join(project.check().split())
+    assert "The inbox table in database 'default' is partitioned" in report
+    assert "unpartition --table inbox" in report
     monkeypatch.setattr(checks, "_records_vendor", lambda label="records": ("default", "mysql"))
     project.idempotency(OUTBOX_PARTITIONS=True)
     assert "the outbox database 'default' is 'mysql'" in project.check()

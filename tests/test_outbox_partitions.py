@@ -406,20 +406,21 @@ RELAY_TESTS = [
     "tests/test_relay_concurrency.py",
     "tests/test_outbox_order.py",
     "tests/test_round_trips.py",
+    "tests/test_inbox.py",
 ]
 
 
 @pytest.mark.concurrency
 def test_the_relay_tests_pass_on_a_partitioned_outbox(transactional_db):
     """The relay's claim and acknowledgement, per-key order, fencing, concurrent relays and
-    the statements' round trips, on an outbox partitioned for the whole run with its first
-    boundary crossed 20 s in (tests/conftest.py, ``outbox_partitioned``). In a child pytest on
-    a database of its own."""
-    if os.environ.get("IDEMPOTENCY_TEST_OUTBOX_PARTITIONED"):
+    the statements' round trips, and the inbox's tests, on an outbox and an inbox partitioned
+    for the whole run with their first boundary crossed 20 s in (tests/conftest.py,
+    ``tables_partitioned``). In a child pytest on a database of its own."""
+    if os.environ.get("IDEMPOTENCY_TEST_PARTITIONED"):
         pytest.skip("this run is the partitioned one")
     env = {
         **os.environ,
-        "IDEMPOTENCY_TEST_OUTBOX_PARTITIONED": "1",
+        "IDEMPOTENCY_TEST_PARTITIONED": "outbox,inbox",
         "TEST_DATABASE_NAME": f"{connection.settings_dict['NAME']}_outbox_partitioned",
         "PYTHONPATH": str(REPO_ROOT),
     }
@@ -431,4 +432,4 @@ def test_the_relay_tests_pass_on_a_partitioned_outbox(transactional_db):
     )  # fmt: skip
     tail = result.stdout[-3000:] + result.stderr[-2000:]
     assert result.returncode == 0, tail
-    assert " passed" in tail and "outbox: partitioned by day" in result.stdout, tail
+    assert " passed" in tail and "partitioned by day: outbox, inbox" in result.stdout, tail

@@ -667,21 +667,46 @@ def _literal(value: str) -> str:
 #: Whether :func:`insert_marker` also deletes the message's failure record.
 MARKER_CLEARS_FAILURE = True
 
+#: Class id of the inbox locks (``INBOX_PARTITIONS``): a consumer marking a message on a
+#: partitioned inbox takes the lock of its ``(consumer, message_id)`` for the transaction first.
+INBOX_LOCK_CLASS = 1_638_184_614
+#: Run before :func:`insert_marker` with ``partitioned``, as a statement of its own: a second
+#: consumer of the message waits here until the first one's transaction ends, and the insert's
+#: look-up (the next statement, a fresh snapshot) then sees its marker. A ``hashtext``
+#: collision only makes two messages take turns.
+INBOX_LOCK_STATEMENT = (
+    f"SELECT pg_advisory_xact_lock({INBOX_LOCK_CLASS}, "
+    "hashtext(%(consumer)s::text || ' ' || %(message_id)s::text))"
+)
 
-def insert_marker(marker: str, failed: str, consumer: str, message_id: str, at: str) -> str:
+
+def insert_marker(
+    marker: str, failed: str, consumer: str, message_id: str, at: str, *, partitioned: bool = False
+) -> str:
     """Insert the inbox marker unless it exists, and with it delete the message's failure record.
 
     One statement with no savepoint (a duplicate is not an error here), where the portable form
     takes four: SAVEPOINT, INSERT, RELEASE, and a DELETE at the end. Its one row, or none, says
     whether the marker is new.
+
+    ``partitioned``: for an inbox partitioned by ``processed_at``, after
+    :data:`INBOX_LOCK_STATEMENT`. No unique index of the parent matches ``(consumer,
+    message_id)``, so there is no ``ON CONFLICT`` target: the marker is looked up in every
+    partition, under the lock, and inserted only if absent (``ON CONFLICT DO NOTHING`` with no
+    target still checks the partition's own unique index).
     """
     key = f"{consumer} = %(consumer)s AND {message_id} = %(message_id)s"
-    return (
-        f"WITH inserted AS ("
+    insert = (
         f"INSERT INTO {marker} ({consumer}, {message_id}, {at}) "
+        f"SELECT %(consumer)s::text, %(message_id)s::text, %(at)s::timestamptz "
+        f"WHERE NOT EXISTS (SELECT 1 FROM {marker} WHERE {key}) ON CONFLICT DO NOTHING RETURNING 1"
+        if partitioned
+        else f"INSERT INTO {marker} ({consumer}, {message_id}, {at}) "
         f"VALUES (%(consumer)s, %(message_id)s, %(at)s) "
         f"ON CONFLICT ({consumer}, {message_id}) DO NOTHING RETURNING 1"
-        f"), cleared AS ("
+    )
+    return (
+        f"WITH inserted AS ({insert}), cleared AS ("
         f"DELETE FROM {failed} WHERE {key} AND EXISTS (SELECT 1 FROM inserted)"
         f") SELECT 1 FROM inserted"
     )

@@ -1,5 +1,6 @@
-"""Day partitions on PostgreSQL of the idempotency records (``RECORD_PARTITIONS``) and of the
-outbox events (``OUTBOX_PARTITIONS``): one machinery, a :class:`Layout` per table.
+"""Day partitions on PostgreSQL of the idempotency records (``RECORD_PARTITIONS``), the outbox
+events (``OUTBOX_PARTITIONS``) and the inbox markers (``INBOX_PARTITIONS``): one machinery, a
+:class:`Layout` per table.
 
 The layout: the records table is partitioned by range on ``created_at`` (the claim's database
 time), one partition per ``PARTITION_SPAN_DAYS`` days, aligned on UTC midnights, named
@@ -11,9 +12,13 @@ column in a partitioned table's unique indexes), and uniqueness across partition
 key lock (``db/postgresql.py``, ``KEY_LOCK_STEP``). The model's other indexes are partitioned
 indexes on the parent, under the model's names. The outbox is laid out the same way on its own
 ``created_at``; each partition carries unique ``(event_id)``, and an event id given to
-``publish()`` is checked across partitions under its lock (``outbox/publish.py``).
+``publish()`` is checked across partitions under its lock (``outbox/publish.py``). The inbox
+is partitioned on ``processed_at``; each partition carries unique ``(consumer, message_id)``,
+and a consumer marks a message under that pair's lock (``db/postgresql.py``,
+``insert_marker_partitioned``).
 
-Each function takes the table's layout, :data:`RECORDS` (the default) or :data:`OUTBOX`.
+Each function takes the table's layout, :data:`RECORDS` (the default), :data:`OUTBOX` or
+:data:`INBOX`.
 
 Three operations, each a plain function the management command and the Celery task call:
 
@@ -21,7 +26,7 @@ Three operations, each a plain function the management command and the Celery ta
 * :func:`apply_retention`: detach and drop each partition whose every row is past its
   retention, and refuse (naming it and its live rows) a partition that still holds a live one:
   an unexpired or leased record; an event PENDING, DEAD, or published within
-  ``OUTBOX_RETENTION_SECONDS``.
+  ``OUTBOX_RETENTION_SECONDS``; a marker within ``INBOX_RETENTION_SECONDS``.
 * :func:`partition_table` / :func:`unpartition_table`: the migration from the plain table and
   back (docs/operations.md states the downtime of each).
 
@@ -46,10 +51,11 @@ from django.utils.dateparse import parse_datetime
 from django_idempotency.conf import conf
 from django_idempotency.db import database_now
 from django_idempotency.exceptions import IdempotencyConfigurationError
-from django_idempotency.models import IdempotencyRecord, OutboxEvent
+from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 
 __all__ = [
     "EPOCH",
+    "INBOX",
     "LEGACY_SUFFIX",
     "LAYOUTS",
     "LOCK_TIMEOUT",
@@ -109,7 +115,7 @@ class RetentionOutcome:
 class Layout:
     """What differs between the partitioned tables; everything else is shared."""
 
-    #: ``"records"`` or ``"outbox"``: the command's ``--table``.
+    #: ``"records"``, ``"outbox"`` or ``"inbox"``: the command's ``--table``.
     label: str
     #: The setting that turns the layout on.
     setting: str
@@ -121,6 +127,10 @@ class Layout:
     retention_setting: str
     #: The task that maintains it (named in messages).
     task: str
+    #: What a live row is, for the command's refusal.
+    live_rows: str
+    #: The column the table is partitioned on.
+    partition_column: str = "created_at"
 
     def using(self) -> str:
         return router.db_for_write(self.model)
@@ -158,6 +168,10 @@ class Layout:
                 f"OR {col('published_at')} > %s)"
             )
             return label, condition, [now - self.retention]
+        if self.model is ProcessedMessage:
+            # A partition past the retention holds none; counted all the same.
+            condition = f"{col('processed_at')} > %s"
+            return "'within retention'", condition, [now - self.retention]
         # ``NOT statemachine.is_expired``: unexpired, or held under a running lease. Both
         # halves are served by the model's indexes.
         condition = (
@@ -175,6 +189,7 @@ RECORDS = Layout(
     unique_fields=("scope", "key"),
     retention_setting="TTL_SECONDS",
     task="maintain_record_partitions",
+    live_rows="live records (unexpired, or held under a running lease)",
 )
 OUTBOX = Layout(
     label="outbox",
@@ -184,9 +199,22 @@ OUTBOX = Layout(
     unique_fields=("event_id",),
     retention_setting="OUTBOX_RETENTION_SECONDS",
     task="maintain_outbox_partitions",
+    live_rows="events that are not to be dropped yet",
+)
+INBOX = Layout(
+    label="inbox",
+    setting="INBOX_PARTITIONS",
+    model=ProcessedMessage,
+    # Short: the table's name and the partition's date leave 18 of PostgreSQL's 63 characters.
+    unique_suffix="_uniq",
+    unique_fields=("consumer", "message_id"),
+    retention_setting="INBOX_RETENTION_SECONDS",
+    task="maintain_inbox_partitions",
+    live_rows="markers within the retention",
+    partition_column="processed_at",
 )
 #: The layouts by ``label``.
-LAYOUTS = {layout.label: layout for layout in (RECORDS, OUTBOX)}
+LAYOUTS = {layout.label: layout for layout in (RECORDS, OUTBOX, INBOX)}
 
 
 def _quote(using: str, name: str) -> str:
@@ -539,7 +567,7 @@ def partition_table(
     using = layout.using()
     _require_postgresql(using, layout)
     if not layout.enabled:
-        guarded = "claims" if layout is RECORDS else "publish() with an event_id"
+        guarded = {RECORDS: "claims", OUTBOX: "publish() with an event_id"}.get(layout, "consumers")
         raise IdempotencyConfigurationError(
             f"Set IDEMPOTENCY[{layout.setting!r}] = True and deploy it to every process before "
             f"partitioning: without it {guarded} rely on the unique constraint on "
@@ -555,7 +583,7 @@ def partition_table(
     legacy = f"{table}{LEGACY_SUFFIX}"
     check = f"{legacy}_bound"
     qtable, qlegacy = _quote(using, table), _quote(using, legacy)
-    created_at = _quote(using, layout.column("created_at"))
+    created_at = _quote(using, layout.column(layout.partition_column))
 
     def add_check(cursor: Any) -> None:
         # A run killed between this step and the swap may have left its CHECK: replaced.

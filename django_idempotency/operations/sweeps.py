@@ -97,7 +97,10 @@ def sweep_published_events(
 def sweep_processed_messages(
     *, batch_size: int | None = None, now: datetime | None = None, dry_run: bool = False
 ) -> int:
-    """Delete consumer markers older than ``INBOX_RETENTION_SECONDS``."""
+    """Delete consumer markers older than ``INBOX_RETENTION_SECONDS``; a partitioned inbox
+    (``INBOX_PARTITIONS``) is left to retention."""
+    if _left_to_retention("inbox", "processed_messages"):
+        return 0
     retention = timedelta(seconds=conf.INBOX_RETENTION_SECONDS)
     return _sweep(
         ProcessedMessage,

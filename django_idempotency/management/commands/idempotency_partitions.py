@@ -1,5 +1,5 @@
-"""Day partitions of the idempotency records (``RECORD_PARTITIONS``) or outbox events
-(``OUTBOX_PARTITIONS``) table on PostgreSQL."""
+"""Day partitions of the idempotency records (``RECORD_PARTITIONS``), outbox events
+(``OUTBOX_PARTITIONS``) or inbox markers (``INBOX_PARTITIONS``) table on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ ACTIONS = ("maintain", "create", "retention", "status", "partition", "unpartitio
 class Command(BaseCommand):
     help = (
         "Day partitions of the idempotency records table (PostgreSQL, RECORD_PARTITIONS), or "
-        "with --table outbox of the outbox events table (OUTBOX_PARTITIONS): "
+        "with --table outbox (inbox) of the outbox events (inbox markers) table "
+        "(OUTBOX_PARTITIONS, INBOX_PARTITIONS): "
         "'maintain' creates the partitions ahead and drops expired ones (what the hourly task "
         "does); 'create' and 'retention' do one of the two; 'status' lists the partitions; "
         "'partition' moves the plain table to the partitioned layout with writes continuing, "
@@ -31,7 +32,8 @@ class Command(BaseCommand):
             "--table",
             choices=sorted(partitions.LAYOUTS),
             default=partitions.RECORDS.label,
-            help="Which table: the idempotency records (default) or the outbox events.",
+            help="Which table: the idempotency records (default), the outbox events or the "
+            "inbox markers.",
         )
         parser.add_argument(
             "--ahead-days",
@@ -116,11 +118,7 @@ class Command(BaseCommand):
 
     def _retention(self, dry_run: bool) -> None:
         refused = []
-        live = (
-            "live records (unexpired, or held under a running lease)"
-            if self.layout is partitions.RECORDS
-            else "events that are not to be dropped yet"
-        )
+        live = self.layout.live_rows
         for outcome in partitions.apply_retention(dry_run=dry_run, layout=self.layout):
             if outcome.action == "refused":
                 refused.append(outcome)
