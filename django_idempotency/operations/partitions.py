@@ -15,7 +15,7 @@ indexes on the parent, under the model's names. The outbox is laid out the same 
 ``publish()`` is checked across partitions under its lock (``outbox/publish.py``). The inbox
 is partitioned on ``processed_at``; each partition carries unique ``(consumer, message_id)``,
 and a consumer marks a message under that pair's lock (``db/postgresql.py``,
-``insert_marker_partitioned``).
+``INBOX_LOCK_STATEMENT``, ``insert_marker(partitioned=True)``).
 
 Each function takes the table's layout, :data:`RECORDS` (the default), :data:`OUTBOX` or
 :data:`INBOX`.
