@@ -137,7 +137,7 @@ def gate() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def tables_partitioned(django_db_setup: Any, django_db_blocker: Any) -> Iterator[None]:
+def tables_partitioned(request: pytest.FixtureRequest) -> Iterator[None]:
     """With ``IDEMPOTENCY_TEST_PARTITIONED`` (tests/settings.py), those tables are partitioned
     for the whole run, their first partition starting 20 s into it: the run's rows land on both
     sides of a partition boundary."""
@@ -150,11 +150,15 @@ def tables_partitioned(django_db_setup: Any, django_db_blocker: Any) -> Iterator
     from django_idempotency.db import database_now
     from django_idempotency.operations import partitions
 
-    with django_db_blocker.unblock():
+    request.getfixturevalue("django_db_setup")  # only then: other runs may need no database
+    with request.getfixturevalue("django_db_blocker").unblock():
         bound = database_now("default") + timedelta(seconds=20)
         for label in labels:
             partitions.partition_table(bound=bound, layout=partitions.LAYOUTS[label])
     yield
+    with request.getfixturevalue("django_db_blocker").unblock():
+        # Still partitioned at the end: no test moved a table back under the others.
+        assert all(partitions.is_partitioned(layout=partitions.LAYOUTS[label]) for label in labels)
 
 
 @pytest.fixture
