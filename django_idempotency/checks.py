@@ -162,8 +162,8 @@ W040 = "django_idempotency.W040"  # the CACHE_ALIAS cache has no socket timeouts
 E060 = "django_idempotency.E060"  # REGISTER_ADMIN, METRICS or TRACING is not a boolean
 W060 = "django_idempotency.W060"  # METRICS set to True but prometheus_client is not installed
 W061 = "django_idempotency.W061"  # TRACING set to True but opentelemetry-api is not installed
-# Storage at scale: the partitioned records table
-E080 = "django_idempotency.E080"  # RECORD_PARTITIONS is not a boolean
+# Storage at scale: the partitioned records, outbox and inbox tables (E082-W081: any of them)
+E080 = "django_idempotency.E080"  # RECORD_/OUTBOX_/INBOX_PARTITIONS is not a boolean
 E081 = "django_idempotency.E081"  # PARTITION_SPAN_DAYS or PARTITION_AHEAD_DAYS not a positive int
 E082 = "django_idempotency.E082"  # RECORD_PARTITIONS on, the records database is not PostgreSQL
 E083 = "django_idempotency.E083"  # the records table is partitioned, RECORD_PARTITIONS is off
@@ -789,24 +789,47 @@ def _on_without_package(name: str, module: str) -> Callable[[Context], Iterator[
     return condition
 
 
-# --- conditions: the partitioned records table --------------------------------------------------
+# --- conditions: the partitioned records and outbox tables ---------------------------------------
+
+#: Each partitioned table's setting and label (``operations/partitions.py``'s layouts, without
+#: importing the models here), and what goes wrong when the table is partitioned without it.
+_PARTITIONED = (
+    (
+        "RECORD_PARTITIONS",
+        "records",
+        "every claim would fail (ON CONFLICT needs a unique index the partitioned table cannot "
+        "have)",
+    ),
+    (
+        "OUTBOX_PARTITIONS",
+        "outbox",
+        "publish() with a given event_id would not look it up across partitions, and no task "
+        "would create the partitions ahead",
+    ),
+    (
+        "INBOX_PARTITIONS",
+        "inbox",
+        "every consumer would fail (ON CONFLICT needs a unique index the partitioned table "
+        "cannot have)",
+    ),
+)
 
 
-def _partitions_wanted(c: Context) -> bool:
+def _partitions_wanted(c: Context, setting: str) -> bool:
     try:
-        return parse_bool("RECORD_PARTITIONS", c.merged["RECORD_PARTITIONS"])
+        return parse_bool(setting, c.merged[setting])
     except IdempotencyConfigurationError:
         return False  # E080 says so
 
 
-def _records_vendor() -> tuple[str, str | None]:
-    """The records database's alias and vendor, from its ENGINE (no connection)."""
+def _records_vendor(label: str = "records") -> tuple[str, str | None]:
+    """The table's database alias and vendor, from its ENGINE (no connection)."""
     from django.db import connections, router
     from django.db.utils import load_backend
 
-    from django_idempotency.models import IdempotencyRecord
+    from django_idempotency.operations.partitions import LAYOUTS
 
-    alias = router.db_for_write(IdempotencyRecord)
+    alias = router.db_for_write(LAYOUTS[label].model)
     try:
         engine = connections.settings[alias]["ENGINE"]
         return alias, str(load_backend(engine).DatabaseWrapper.vendor)
@@ -815,59 +838,62 @@ def _records_vendor() -> tuple[str, str | None]:
 
 
 def _partitions_off_postgresql(c: Context) -> Iterator[Finding]:
-    alias, vendor = _records_vendor()
-    if _partitions_wanted(c) and vendor is not None and vendor != "postgresql":
-        yield {"alias": alias, "vendor": vendor}
+    for setting, label, _ in _PARTITIONED:
+        alias, vendor = _records_vendor(label)
+        if _partitions_wanted(c, setting) and vendor is not None and vendor != "postgresql":
+            yield {"setting": setting, "label": label, "alias": alias, "vendor": vendor}
 
 
-def record_layout(alias: str) -> tuple[bool, datetime | None, datetime]:
-    """Whether the records table is partitioned, where its partitions end (None: it has
-    none) and the database's time. Connects; only for rows tagged ``database``."""
+def record_layout(alias: str, label: str = "records") -> tuple[bool, datetime | None, datetime]:
+    """Whether the table is partitioned, where its partitions end (None: it has none) and
+    the database's time. Connects; only for rows tagged ``database``."""
     from django_idempotency.db import database_now
     from django_idempotency.operations import partitions
 
+    layout = partitions.LAYOUTS[label]
     now = database_now(alias)
-    if not partitions.is_partitioned(alias):
+    if not partitions.is_partitioned(alias, layout):
         return False, None, now
-    ends = [part.end for part in partitions.partitions(alias)]
+    ends = [part.end for part in partitions.partitions(alias, layout)]
     return True, max(ends, default=None), now
 
 
-def _layout(c: Context) -> tuple[str, tuple[bool, datetime | None, datetime]] | None:
-    """The records table's layout, when Django asked to check its database and it is
-    PostgreSQL (elsewhere there is no layout to check)."""
-    alias, vendor = _records_vendor()
-    if alias not in (c.databases or ()) or vendor != "postgresql":
-        return None
-    return alias, record_layout(alias)
+def _layouts(
+    c: Context,
+) -> Iterator[tuple[str, str, str, str, tuple[bool, datetime | None, datetime]]]:
+    """Each table's setting, label, consequence, alias and layout, when Django asked to check
+    its database and it is PostgreSQL (elsewhere there is no layout to check)."""
+    for setting, label, consequence in _PARTITIONED:
+        alias, vendor = _records_vendor(label)
+        if alias in (c.databases or ()) and vendor == "postgresql":
+            yield setting, label, consequence, alias, record_layout(alias, label)
 
 
 def _partitioned_layout_missing(c: Context) -> Iterator[Finding]:
-    if not _partitions_wanted(c):
-        return
-    found = _layout(c)
-    if found is not None and not found[1][0]:
-        yield {"alias": found[0]}
+    for setting, label, _, alias, (partitioned, _, _) in _layouts(c):
+        if _partitions_wanted(c, setting) and not partitioned:
+            yield {"setting": setting, "label": label, "alias": alias}
 
 
 def _partitioned_without_setting(c: Context) -> Iterator[Finding]:
-    if _partitions_wanted(c):
-        return
-    found = _layout(c)
-    if found is not None and found[1][0]:
-        yield {"alias": found[0]}
+    for setting, label, consequence, alias, (partitioned, _, _) in _layouts(c):
+        if not _partitions_wanted(c, setting) and partitioned:
+            yield {"setting": setting, "label": label, "alias": alias, "why": consequence}
 
 
 def _next_partition_missing(c: Context) -> Iterator[Finding]:
-    if not _partitions_wanted(c):
-        return
-    found = _layout(c)
-    if found is None or not found[1][0]:
-        return
-    _, (_, covered_until, now) = found
     span = _integer("PARTITION_SPAN_DAYS", c.merged) or 1
-    if covered_until is None or covered_until <= now + timedelta(days=max(span, 1)):
-        yield {"until": "nothing" if covered_until is None else covered_until.isoformat()}
+    for setting, label, _, _, (partitioned, covered_until, now) in _layouts(c):
+        if not (_partitions_wanted(c, setting) and partitioned):
+            continue
+        if covered_until is None or covered_until <= now + timedelta(days=max(span, 1)):
+            yield {
+                "label": label,
+                "until": "nothing" if covered_until is None else covered_until.isoformat(),
+                "table": "" if label == "records" else f" --table {label}",
+                "task": f"maintain_{'record' if label == 'records' else label}_partitions",
+                "writes": {"records": "claims", "outbox": "publish()"}.get(label, "consumers"),
+            }
 
 
 _DURATIONS = (
@@ -1227,7 +1253,11 @@ OPERATIONS_CHECKS: tuple[Check, ...] = (
 )
 
 STORAGE_CHECKS: tuple[Check, ...] = (
-    Check(E080, _not_booleans("RECORD_PARTITIONS"), BOOLEAN_MESSAGE),
+    Check(
+        E080,
+        _not_booleans("RECORD_PARTITIONS", "OUTBOX_PARTITIONS", "INBOX_PARTITIONS"),
+        BOOLEAN_MESSAGE,
+    ),
     Check(
         E081,
         _bad_numbers("PARTITION_SPAN_DAYS", "PARTITION_AHEAD_DAYS", whole=True),
@@ -1237,38 +1267,37 @@ STORAGE_CHECKS: tuple[Check, ...] = (
     Check(
         E082,
         _partitions_off_postgresql,
-        "IDEMPOTENCY['RECORD_PARTITIONS'] is on, but the records database {alias!r} is "
+        "IDEMPOTENCY[{setting!r}] is on, but the {label} database {alias!r} is "
         "{vendor!r}: day partitions are PostgreSQL's.",
-        "Turn it off: on this database the sweep (idempotency_sweep, or the "
-        "sweep_idempotency_records task) removes expired records.",
+        "Turn it off: on this database the sweep (idempotency_sweep, or its task) removes "
+        "what has expired.",
     ),
     Check(
         E083,
         _partitioned_without_setting,
-        "The records table in database {alias!r} is partitioned, but "
-        "IDEMPOTENCY['RECORD_PARTITIONS'] is off: every claim would fail (ON CONFLICT needs a "
-        "unique index the partitioned table cannot have).",
-        "Set IDEMPOTENCY['RECORD_PARTITIONS'] = True, or move the table back first with "
-        "`manage.py idempotency_partitions unpartition`.",
+        "The {label} table in database {alias!r} is partitioned, but "
+        "IDEMPOTENCY[{setting!r}] is off: {why}.",
+        "Set IDEMPOTENCY[{setting!r}] = True, or move the table back first with "
+        "`manage.py idempotency_partitions unpartition --table {label}`.",
         tags=(Tags.database,),
     ),
     Check(
         W080,
         _partitioned_layout_missing,
-        "IDEMPOTENCY['RECORD_PARTITIONS'] is on, but the records table in database {alias!r} is "
+        "IDEMPOTENCY[{setting!r}] is on, but the {label} table in database {alias!r} is "
         "still one plain table.",
-        "Claims are safe meanwhile (they take the key lock; the unique constraint still holds). "
-        "Run `manage.py idempotency_partitions partition` once every process runs with the "
-        "setting (docs/operations.md).",
+        "Writes are safe meanwhile (they take their locks; the unique constraint still holds). "
+        "Run `manage.py idempotency_partitions partition --table {label}` once every process "
+        "runs with the setting (docs/operations.md).",
         tags=(Tags.database,),
     ),
     Check(
         W081,
         _next_partition_missing,
-        "The partitions of the records table cover time only until {until}: the next partition "
-        "does not exist yet, and claims past that moment will fail.",
-        "Run `manage.py idempotency_partitions create` now, and schedule it daily (or the "
-        "maintain_record_partitions task of BEAT_SCHEDULE).",
+        "The partitions of the {label} table cover time only until {until}: the next partition "
+        "does not exist yet, and {writes} past that moment will fail.",
+        "Run `manage.py idempotency_partitions create{table}` now, and schedule it daily (or the "
+        "{task} task of BEAT_SCHEDULE).",
         tags=(Tags.database,),
     ),
 )

@@ -91,9 +91,11 @@ DEFAULTS: dict[str, Any] = {
     "INBOX_RETENTION_SECONDS": 14 * 86400,
     # Sweeps of all three layers
     "SWEEP_BATCH_SIZE": 1000,
-    # Storage at scale (PostgreSQL only): the records table partitioned by day, retention by
-    # dropping whole partitions (docs/operations.md).
+    # Storage at scale (PostgreSQL only): the records, outbox and inbox tables partitioned by day,
+    # retention by dropping whole partitions (docs/operations.md).
     "RECORD_PARTITIONS": False,
+    "OUTBOX_PARTITIONS": False,
+    "INBOX_PARTITIONS": False,
     "PARTITION_SPAN_DAYS": 1,
     "PARTITION_AHEAD_DAYS": 3,
 }
@@ -421,6 +423,14 @@ class IdempotencySettings:
     @property
     def RECORD_PARTITIONS(self) -> bool:
         return self.boolean("RECORD_PARTITIONS")
+
+    @property
+    def OUTBOX_PARTITIONS(self) -> bool:
+        return self.boolean("OUTBOX_PARTITIONS")
+
+    @property
+    def INBOX_PARTITIONS(self) -> bool:
+        return self.boolean("INBOX_PARTITIONS")
 
     @property
     def PARTITION_SPAN_DAYS(self) -> int:

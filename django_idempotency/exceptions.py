@@ -65,8 +65,10 @@ class IdempotencyConfigurationError(IdempotencyError, ImproperlyConfigured):
 
 
 class PartitionMissing(IdempotencyError):
-    """A claim found no partition of the records table for its time (``RECORD_PARTITIONS``):
-    the partitions ahead were not created. Nothing was written."""
+    """A claim found no partition of the records table for its time (``RECORD_PARTITIONS``),
+    ``publish()`` none of the outbox table (``OUTBOX_PARTITIONS``), or a consumer none of the
+    inbox table (``INBOX_PARTITIONS``): the partitions ahead were not created. Nothing was
+    written."""
 
 
 class LeaseLost(IdempotencyError):

@@ -28,6 +28,8 @@ __all__ = [
     "BEAT_SCHEDULE",
     "install_periodic_tasks",
     "kick_relay",
+    "maintain_inbox_partitions",
+    "maintain_outbox_partitions",
     "maintain_record_partitions",
     "relay_outbox",
     "sweep_idempotency_records",
@@ -89,6 +91,24 @@ def maintain_record_partitions() -> dict[str, Any]:
     from django_idempotency.operations.partitions import maintain
 
     return maintain()
+
+
+@_task
+def maintain_outbox_partitions() -> dict[str, Any]:
+    """Create the outbox table's partitions ahead and drop the published ones past
+    ``OUTBOX_RETENTION_SECONDS`` (``OUTBOX_PARTITIONS``; a no-op without it)."""
+    from django_idempotency.operations.partitions import OUTBOX, maintain
+
+    return maintain(layout=OUTBOX)
+
+
+@_task
+def maintain_inbox_partitions() -> dict[str, Any]:
+    """Create the inbox table's partitions ahead and drop those past
+    ``INBOX_RETENTION_SECONDS`` (``INBOX_PARTITIONS``; a no-op without it)."""
+    from django_idempotency.operations.partitions import INBOX, maintain
+
+    return maintain(layout=INBOX)
 
 
 class _RelayKicker:
@@ -207,6 +227,16 @@ BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     },
     "django-idempotency-record-partitions": {
         "task": "django_idempotency.tasks.maintain_record_partitions",
+        "schedule": 3600.0,
+        "options": {"expires": 3000.0},
+    },
+    "django-idempotency-outbox-partitions": {
+        "task": "django_idempotency.tasks.maintain_outbox_partitions",
+        "schedule": 3600.0,
+        "options": {"expires": 3000.0},
+    },
+    "django-idempotency-inbox-partitions": {
+        "task": "django_idempotency.tasks.maintain_inbox_partitions",
         "schedule": 3600.0,
         "options": {"expires": 3000.0},
     },

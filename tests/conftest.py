@@ -26,7 +26,10 @@ hypothesis_settings.load_profile("shared-machine")
 
 def pytest_report_header(config: pytest.Config) -> str:
     database = settings.DATABASES["default"]
-    return f"database: {database['ENGINE']} {database.get('HOST') or database['NAME']}"
+    header = f"database: {database['ENGINE']} {database.get('HOST') or database['NAME']}"
+    if getattr(settings, "PARTITIONED_TABLES", None):
+        header += f"\npartitioned by day: {', '.join(settings.PARTITIONED_TABLES)}"
+    return header
 
 
 def require_service(name: str) -> str:
@@ -131,6 +134,31 @@ def gate() -> Iterator[Any]:
     for name in names:
         views.gates.pop(name).set()
         views.started.pop(name, None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tables_partitioned(request: pytest.FixtureRequest) -> Iterator[None]:
+    """With ``IDEMPOTENCY_TEST_PARTITIONED`` (tests/settings.py), those tables are partitioned
+    for the whole run, their first partition starting 20 s into it: the run's rows land on both
+    sides of a partition boundary."""
+    labels = getattr(settings, "PARTITIONED_TABLES", [])
+    if not labels:
+        yield
+        return
+    from datetime import timedelta
+
+    from django_idempotency.db import database_now
+    from django_idempotency.operations import partitions
+
+    request.getfixturevalue("django_db_setup")  # only then: other runs may need no database
+    with request.getfixturevalue("django_db_blocker").unblock():
+        bound = database_now("default") + timedelta(seconds=20)
+        for label in labels:
+            partitions.partition_table(bound=bound, layout=partitions.LAYOUTS[label])
+    yield
+    with request.getfixturevalue("django_db_blocker").unblock():
+        # Still partitioned at the end: no test moved a table back under the others.
+        assert all(partitions.is_partitioned(layout=partitions.LAYOUTS[label]) for label in labels)
 
 
 @pytest.fixture

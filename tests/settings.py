@@ -129,3 +129,10 @@ if os.environ.get("IDEMPOTENCY_TEST_LEASE_SECONDS"):
     IDEMPOTENCY["LEASE_SECONDS"] = float(os.environ["IDEMPOTENCY_TEST_LEASE_SECONDS"])
 if os.environ.get("IDEMPOTENCY_TEST_TAKE_OVER_DEAD_OWNERS"):
     IDEMPOTENCY["TAKE_OVER_DEAD_OWNERS"] = os.environ["IDEMPOTENCY_TEST_TAKE_OVER_DEAD_OWNERS"]
+# Tables partitioned by day for the whole run, "outbox,inbox" say (PostgreSQL; tests/conftest.py
+# moves them): tests/test_outbox_partitions.py runs the relay's and the inbox's tests so.
+PARTITIONED_TABLES = [
+    label for label in os.environ.get("IDEMPOTENCY_TEST_PARTITIONED", "").split(",") if label
+]
+for _label in PARTITIONED_TABLES:
+    IDEMPOTENCY[{"outbox": "OUTBOX_PARTITIONS", "inbox": "INBOX_PARTITIONS"}[_label]] = True

@@ -124,16 +124,28 @@ def no_skip_locked(p: Project) -> None:
 
 
 def records_layout(
-    p: Project, *, partitioned: bool, covered_days: float | None = 3, **idempotency: Any
+    p: Project,
+    *,
+    partitioned: bool,
+    covered_days: float | None = 3,
+    table: str = "records",
+    **idempotency: Any,
 ) -> None:
-    """A PostgreSQL records database whose table is (or is not) partitioned, with partitions
-    covering ``covered_days`` ahead; checked with ``--database`` (no connection is made)."""
+    """A PostgreSQL database whose records (or outbox) table is (or is not) partitioned, with
+    partitions covering ``covered_days`` ahead, the other table plain; checked with
+    ``--database`` (no connection is made)."""
     from datetime import UTC, datetime, timedelta
 
     now = datetime(2030, 1, 1, 12, tzinfo=UTC)
     covered = None if covered_days is None else now + timedelta(days=covered_days)
-    p.monkeypatch.setattr(checks, "_records_vendor", lambda: ("default", "postgresql"))
-    p.monkeypatch.setattr(checks, "record_layout", lambda alias: (partitioned, covered, now))
+
+    def layout(alias: str, label: str = "records") -> tuple[bool, datetime | None, datetime]:
+        return (partitioned, covered, now) if label == table else (False, None, now)
+
+    p.monkeypatch.setattr(
+        checks, "_records_vendor", lambda label="records": ("default", "postgresql")
+    )
+    p.monkeypatch.setattr(checks, "record_layout", layout)
     p.arguments = ["--database", "default"]
     p.idempotency(**idempotency)
 
@@ -373,11 +385,15 @@ SCENARIOS: dict[str, tuple[Scenario, Scenario]] = {
     ),
     checks.E082: (
         lambda p: (
-            p.monkeypatch.setattr(checks, "_records_vendor", lambda: ("default", "sqlite")),
+            p.monkeypatch.setattr(
+                checks, "_records_vendor", lambda label="records": ("default", "sqlite")
+            ),
             p.idempotency(RECORD_PARTITIONS=True),
         ),
         lambda p: (
-            p.monkeypatch.setattr(checks, "_records_vendor", lambda: ("default", "sqlite")),
+            p.monkeypatch.setattr(
+                checks, "_records_vendor", lambda label="records": ("default", "sqlite")
+            ),
             p.idempotency(RECORD_PARTITIONS=False),
         ),
     ),
@@ -455,6 +471,41 @@ def test_not_a_dict_stops_the_other_settings_checks(project: Project) -> None:
     project.set(IDEMPOTENCY=["not", "a", "dict"])
     assert reported(project.check()) >= {checks.E001}
     assert [message.id for message in checks.check_settings()] == [checks.E001]
+
+
+def test_the_partition_checks_name_the_outbox_and_inbox_tables(
+    project: Project, monkeypatch
+) -> None:
+    """E082, E083, W080 and W081 speak of any partitioned table: here the outbox and inbox."""
+    project.idempotency(OUTBOX_PARTITIONS="maybe")
+    assert checks.E080 in reported(project.check())
+    for fire, (check_id, text) in {
+        lambda p: records_layout(p, partitioned=True, table="outbox", OUTBOX_PARTITIONS=False): (
+            checks.E083,
+            "IDEMPOTENCY['OUTBOX_PARTITIONS'] is off: publish() with a given event_id",
+        ),
+        lambda p: records_layout(p, partitioned=False, table="outbox", OUTBOX_PARTITIONS=True): (
+            checks.W080,
+            "idempotency_partitions partition --table outbox",
+        ),
+        lambda p: records_layout(
+            p, partitioned=True, covered_days=0.5, table="outbox", OUTBOX_PARTITIONS=True
+        ): (checks.W081, "create --table outbox` now"),
+    }.items():
+        with pytest.MonkeyPatch.context() as patch:
+            project.monkeypatch = patch
+            fire(project)
+            report = project.check()
+        assert reported(report) & {checks.E083, checks.W080, checks.W081} == {check_id}, report
+        assert text in " ".join(report.split()), report
+    project.monkeypatch = monkeypatch  # the test's own again, undone after it
+    records_layout(project, partitioned=True, table="inbox", INBOX_PARTITIONS=False)
+    report = " ".join(project.check().split())
+    assert "The inbox table in database 'default' is partitioned" in report
+    assert "unpartition --table inbox" in report
+    monkeypatch.setattr(checks, "_records_vendor", lambda label="records": ("default", "mysql"))
+    project.idempotency(OUTBOX_PARTITIONS=True)
+    assert "the outbox database 'default' is 'mysql'" in project.check()
 
 
 def test_sqlite_warning_needs_no_database_connection(project: Project, monkeypatch) -> None:

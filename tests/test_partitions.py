@@ -51,16 +51,15 @@ TABLE = IdempotencyRecord._meta.db_table
 MINE = "f" * 64
 
 
-@pytest.fixture
-def partitioned(
-    transactional_db: Any, idempotency_settings: Any
+def partitioned_layout(
+    layout: partitions.Layout, idempotency_settings: Any
 ) -> Iterator[Callable[..., datetime]]:
-    """Call it to partition the table (the legacy partition ending at ``bound``); the table is
-    plain again after the test, rows and all."""
-    idempotency_settings(RECORD_PARTITIONS=True)
+    """A function that partitions the layout's table (the legacy partition ending at
+    ``bound``), with its setting on; the table is plain again after the test, rows and all."""
+    idempotency_settings(**{layout.setting: True})
 
     def partition(bound: datetime | None = None, **options: Any) -> datetime:
-        return partitions.partition_table(bound=bound, **options)
+        return partitions.partition_table(bound=bound, layout=layout, **options)
 
     try:
         yield partition
@@ -68,10 +67,19 @@ def partitioned(
         for alias in connections:
             if alias != "default":
                 connections[alias].close()
-        if partitions.is_partitioned("default"):
-            partitions.unpartition_table()
+        if partitions.is_partitioned("default", layout):
+            partitions.unpartition_table(layout=layout)
         with connection.cursor() as cursor:  # what a move that failed half-way may leave
-            cursor.execute(f'ALTER TABLE "{TABLE}" DROP CONSTRAINT IF EXISTS "{LEGACY}_bound"')
+            legacy = f"{layout.table}{partitions.LEGACY_SUFFIX}_bound"
+            cursor.execute(f'ALTER TABLE "{layout.table}" DROP CONSTRAINT IF EXISTS "{legacy}"')
+
+
+@pytest.fixture
+def partitioned(
+    transactional_db: Any, idempotency_settings: Any
+) -> Iterator[Callable[..., datetime]]:
+    """Call it to partition the records table; plain again after the test."""
+    yield from partitioned_layout(partitions.RECORDS, idempotency_settings)
 
 
 def plant(
@@ -542,7 +550,7 @@ def test_the_command_refuses_to_drop_a_partition_with_live_records(
     bound = partitioned(now + timedelta(seconds=1))
     wait_until(bound + timedelta(seconds=1.5))
     err = StringIO()
-    with pytest.raises(CommandError, match="still hold live records"):
+    with pytest.raises(CommandError, match="still hold live rows"):
         call_command("idempotency_partitions", "retention", stderr=err)
     assert f"refused to drop {LEGACY}: it holds 1 live records" in err.getvalue()
     IdempotencyRecord.objects.filter(pk=live.pk).update(expires_at=now)
@@ -572,19 +580,16 @@ def test_the_beat_task_maintains_the_partitions(partitioned, idempotency_setting
 # --- the migration under writes -----------------------------------------------------------------
 
 
-class Writers:
-    """Threads that claim and complete keys without pause (and claim every completed key
-    again, to replay it) until stopped; what they won and completed, and any error."""
+class Threads:
+    """Threads that each run ``step(worker, count)`` for count 0, 1, ... without pause until
+    stopped, on connections of their own; any error is kept in ``errors``."""
 
-    def __init__(self, prefix: str, count: int = 3) -> None:
-        self.prefix = prefix
+    def __init__(self, count: int = 3) -> None:
         self.stop = threading.Event()
-        self.won: list[str] = []
-        self.completed: list[str] = []
         self.errors: list[BaseException] = []
-        self.threads = [threading.Thread(target=self.write, args=(n,)) for n in range(count)]
+        self.threads = [threading.Thread(target=self.run, args=(n,)) for n in range(count)]
 
-    def __enter__(self) -> Writers:
+    def __enter__(self) -> Any:
         for thread in self.threads:
             thread.start()
         return self
@@ -594,26 +599,43 @@ class Writers:
         for thread in self.threads:
             thread.join(60)
 
-    def write(self, worker: int) -> None:
+    def run(self, worker: int) -> None:
         try:
             for count in range(1_000_000):
                 if self.stop.is_set():
                     break
-                key = f"{self.prefix}-{worker}-{count}"
-                decision = claim(key)
-                if not isinstance(decision, Proceed):
-                    self.errors.append(AssertionError(f"{key}: {decision}"))
-                    continue
-                self.won.append(key)
-                if count % 2:
-                    with transaction.atomic():
-                        assert store.complete(decision.lease, StoredResponse(201, [], b"ok"))
-                    self.completed.append(key)
-                    assert isinstance(claim(key), Replay)
+                self.step(worker, count)
         except BaseException as exc:
             self.errors.append(exc)
         finally:
             connection.close()
+
+    def step(self, worker: int, count: int) -> None:
+        raise NotImplementedError
+
+
+class Writers(Threads):
+    """Threads that claim and complete keys without pause (and claim every completed key
+    again, to replay it) until stopped; what they won and completed, and any error."""
+
+    def __init__(self, prefix: str, count: int = 3) -> None:
+        super().__init__(count)
+        self.prefix = prefix
+        self.won: list[str] = []
+        self.completed: list[str] = []
+
+    def step(self, worker: int, count: int) -> None:
+        key = f"{self.prefix}-{worker}-{count}"
+        decision = claim(key)
+        if not isinstance(decision, Proceed):
+            self.errors.append(AssertionError(f"{key}: {decision}"))
+            return
+        self.won.append(key)
+        if count % 2:
+            with transaction.atomic():
+                assert store.complete(decision.lease, StoredResponse(201, [], b"ok"))
+            self.completed.append(key)
+            assert isinstance(claim(key), Replay)
 
     def check(self) -> None:
         """Every key won is there exactly once, completed as the writer left it."""

@@ -88,7 +88,11 @@ def test_sweeps_running_at_once_delete_each_row_once():
     from django.utils import timezone
 
     from django_idempotency.models import ProcessedMessage
+    from django_idempotency.operations.partitions import INBOX, is_partitioned
     from django_idempotency.operations.sweeps import sweep_processed_messages
+
+    if is_partitioned(layout=INBOX):
+        pytest.skip("a partitioned inbox is left to retention; the sweep deletes nothing")
 
     old = timezone.now() - timedelta(days=365)
     ProcessedMessage.objects.bulk_create(

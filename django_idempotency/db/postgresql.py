@@ -330,6 +330,11 @@ def _value(name: str) -> str:
 #: ``crc32("django_idempotency.outbox") & 0x7fffffff``).
 OUTBOX_KEY_LOCK_CLASS = 1_638_184_608
 
+#: Class id of the event-id locks ``publish()`` takes on a partitioned outbox
+#: (``OUTBOX_PARTITIONS``) for an event id it was given: unique ``(event_id)`` holds only within
+#: each partition, so the lock serialises the look-up across partitions and the INSERT.
+EVENT_ID_LOCK_CLASS = 1_638_184_613
+
 #: Class id of the relay locks: a relay holds one per claimed batch, from the claim to the ack,
 #: so another relay can tell a batch whose relay is gone from one still being published.
 RELAY_LOCK_CLASS = 1_638_184_610
@@ -366,7 +371,11 @@ KEY_HASH = "hashtext"
 
 
 def before_outbox_insert(
-    connection: BaseDatabaseWrapper, *, lock_key: str | None, notify_channel: str | None
+    connection: BaseDatabaseWrapper,
+    *,
+    lock_key: str | None,
+    notify_channel: str | None,
+    lock_event_id: str | None = None,
 ) -> None:
     """What ``publish()`` does before its INSERT, in one round trip (none if there is nothing).
 
@@ -378,12 +387,19 @@ def before_outbox_insert(
 
     ``notify_channel``: ``NOTIFY`` it, which PostgreSQL delivers at commit and drops on rollback,
     so listening relays wake only for committed events.
+
+    ``lock_event_id``: take the event id's transaction-scoped lock (:data:`EVENT_ID_LOCK_CLASS`),
+    after the key's: a second transaction publishing the same id waits until this one ends, and
+    its look-up (the next statement, a fresh snapshot) then sees this one's event.
     """
     calls: list[str] = []
     params: list[int | str] = []
     if lock_key:
         calls.append("pg_advisory_xact_lock(%s, hashtext(%s::text))")
         params += [OUTBOX_KEY_LOCK_CLASS, lock_key]
+    if lock_event_id:
+        calls.append("pg_advisory_xact_lock(%s, hashtext(%s::text))")
+        params += [EVENT_ID_LOCK_CLASS, lock_event_id]
     if notify_channel:
         calls.append("pg_notify(%s, '')")
         params.append(notify_channel)
@@ -651,21 +667,46 @@ def _literal(value: str) -> str:
 #: Whether :func:`insert_marker` also deletes the message's failure record.
 MARKER_CLEARS_FAILURE = True
 
+#: Class id of the inbox locks (``INBOX_PARTITIONS``): a consumer marking a message on a
+#: partitioned inbox takes the lock of its ``(consumer, message_id)`` for the transaction first.
+INBOX_LOCK_CLASS = 1_638_184_614
+#: Run before :func:`insert_marker` with ``partitioned``, as a statement of its own: a second
+#: consumer of the message waits here until the first one's transaction ends, and the insert's
+#: look-up (the next statement, a fresh snapshot) then sees its marker. A ``hashtext``
+#: collision only makes two messages take turns.
+INBOX_LOCK_STATEMENT = (
+    f"SELECT pg_advisory_xact_lock({INBOX_LOCK_CLASS}, "
+    "hashtext(%(consumer)s::text || ' ' || %(message_id)s::text))"
+)
 
-def insert_marker(marker: str, failed: str, consumer: str, message_id: str, at: str) -> str:
+
+def insert_marker(
+    marker: str, failed: str, consumer: str, message_id: str, at: str, *, partitioned: bool = False
+) -> str:
     """Insert the inbox marker unless it exists, and with it delete the message's failure record.
 
     One statement with no savepoint (a duplicate is not an error here), where the portable form
     takes four: SAVEPOINT, INSERT, RELEASE, and a DELETE at the end. Its one row, or none, says
     whether the marker is new.
+
+    ``partitioned``: for an inbox partitioned by ``processed_at``, after
+    :data:`INBOX_LOCK_STATEMENT`. No unique index of the parent matches ``(consumer,
+    message_id)``, so there is no ``ON CONFLICT`` target: the marker is looked up in every
+    partition, under the lock, and inserted only if absent (``ON CONFLICT DO NOTHING`` with no
+    target still checks the partition's own unique index).
     """
     key = f"{consumer} = %(consumer)s AND {message_id} = %(message_id)s"
-    return (
-        f"WITH inserted AS ("
+    insert = (
         f"INSERT INTO {marker} ({consumer}, {message_id}, {at}) "
+        f"SELECT %(consumer)s::text, %(message_id)s::text, %(at)s::timestamptz "
+        f"WHERE NOT EXISTS (SELECT 1 FROM {marker} WHERE {key}) ON CONFLICT DO NOTHING RETURNING 1"
+        if partitioned
+        else f"INSERT INTO {marker} ({consumer}, {message_id}, {at}) "
         f"VALUES (%(consumer)s, %(message_id)s, %(at)s) "
         f"ON CONFLICT ({consumer}, {message_id}) DO NOTHING RETURNING 1"
-        f"), cleared AS ("
+    )
+    return (
+        f"WITH inserted AS ({insert}), cleared AS ("
         f"DELETE FROM {failed} WHERE {key} AND EXISTS (SELECT 1 FROM inserted)"
         f") SELECT 1 FROM inserted"
     )

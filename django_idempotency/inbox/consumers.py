@@ -27,9 +27,11 @@ from django.db.models.options import Options
 from django.utils import timezone
 
 from django_idempotency import signals, tracing
+from django_idempotency.conf import conf
 from django_idempotency.core.failures import describe, failure_fingerprint, failure_traceback
 from django_idempotency.db import dialect, prepared
-from django_idempotency.exceptions import IdempotencyError
+from django_idempotency.db import postgresql as pg
+from django_idempotency.exceptions import IdempotencyError, PartitionMissing
 from django_idempotency.models import FailedMessage, ProcessedMessage
 
 __all__ = [
@@ -170,16 +172,21 @@ def _insert_marker(consumption: Consumption, using: str) -> tuple[bool, bool]:
     """Whether the marker is new (else the message was, or is being, handled already), and
     whether the same statement deleted the message's failure record.
 
-    One statement: a duplicate is not an error, so no savepoint is needed to survive it.
+    One statement: a duplicate is not an error, so no savepoint is needed to survive it. On a
+    partitioned inbox (``INBOX_PARTITIONS``), two: the message's lock, then the insert.
     """
     connection = connections[using]
     sql = dialect(using)
     quote = connection.ops.quote_name
     marker, failed = ProcessedMessage._meta, FailedMessage._meta
-    statement = sql.insert_marker(
+    partitioned = conf.INBOX_PARTITIONS and connection.vendor == "postgresql"
+    names = (
         quote(marker.db_table),
         quote(failed.db_table),
         *(quote(_column(marker, name)) for name in ("consumer", "message_id", "processed_at")),
+    )
+    statement = (
+        pg.insert_marker(*names, partitioned=True) if partitioned else sql.insert_marker(*names)
     )
     values = {
         "consumer": consumption.consumer,
@@ -187,7 +194,19 @@ def _insert_marker(consumption: Consumption, using: str) -> tuple[bool, bool]:
         "at": connection.ops.adapt_datetimefield_value(timezone.now()),
     }
     with prepared.cursor(connection) as cursor:
-        cursor.execute(statement, values)
+        if partitioned:
+            cursor.execute(pg.INBOX_LOCK_STATEMENT, values)
+        try:
+            cursor.execute(statement, values)
+        except IntegrityError as exc:
+            if "no partition of relation" in str(exc):
+                raise PartitionMissing(
+                    f"No partition of {marker.db_table} covers this message's time "
+                    "(IDEMPOTENCY['INBOX_PARTITIONS'] is on). Create the partitions ahead: run "
+                    "`manage.py idempotency_partitions create --table inbox` now, and schedule "
+                    "it (or the maintain_inbox_partitions task) daily."
+                ) from exc
+            raise
         inserted = cursor.rowcount == 1
     return inserted, inserted and sql.MARKER_CLEARS_FAILURE
 

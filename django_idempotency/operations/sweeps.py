@@ -49,13 +49,7 @@ def sweep_expired_records(
     partitions (``operations/partitions.py``): deleting row by row is the WAL, vacuum and bloat
     the partitions exist to avoid. Claims treat an expired record as absent either way.
     """
-    from django_idempotency.operations.partitions import is_partitioned
-
-    if is_partitioned(router.db_for_write(IdempotencyRecord)):
-        logger.debug(
-            "swept nothing: the records table is partitioned; retention drops its partitions",
-            extra={"sweep": "idempotency_records", "sweep_count": 0, "sweep_batches": 0},
-        )
+    if _left_to_retention("records", "idempotency_records"):
         return 0
     return _sweep(
         IdempotencyRecord,
@@ -67,10 +61,28 @@ def sweep_expired_records(
     )
 
 
+def _left_to_retention(label: str, sweep: str) -> bool:
+    """Whether the table is partitioned, so retention drops its partitions instead."""
+    from django_idempotency.operations.partitions import LAYOUTS, is_partitioned
+
+    layout = LAYOUTS[label]
+    if not is_partitioned(layout.using(), layout):
+        return False
+    logger.debug(
+        "swept nothing: the %s table is partitioned; retention drops its partitions",
+        label,
+        extra={"sweep": sweep, "sweep_count": 0, "sweep_batches": 0},
+    )
+    return True
+
+
 def sweep_published_events(
     *, batch_size: int | None = None, now: datetime | None = None, dry_run: bool = False
 ) -> int:
-    """Delete events published more than ``OUTBOX_RETENTION_SECONDS`` ago."""
+    """Delete events published more than ``OUTBOX_RETENTION_SECONDS`` ago; a partitioned
+    outbox (``OUTBOX_PARTITIONS``) is left to retention, as the records are."""
+    if _left_to_retention("outbox", "outbox_events"):
+        return 0
     retention = timedelta(seconds=conf.OUTBOX_RETENTION_SECONDS)
     return _sweep(
         OutboxEvent,
@@ -85,7 +97,10 @@ def sweep_published_events(
 def sweep_processed_messages(
     *, batch_size: int | None = None, now: datetime | None = None, dry_run: bool = False
 ) -> int:
-    """Delete consumer markers older than ``INBOX_RETENTION_SECONDS``."""
+    """Delete consumer markers older than ``INBOX_RETENTION_SECONDS``; a partitioned inbox
+    (``INBOX_PARTITIONS``) is left to retention."""
+    if _left_to_retention("inbox", "processed_messages"):
+        return 0
     retention = timedelta(seconds=conf.INBOX_RETENTION_SECONDS)
     return _sweep(
         ProcessedMessage,

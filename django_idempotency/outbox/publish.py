@@ -33,7 +33,7 @@ from django.utils import timezone
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
 from django_idempotency.db import mysql, postgresql
-from django_idempotency.exceptions import DuplicateEventId, TransactionRequired
+from django_idempotency.exceptions import DuplicateEventId, PartitionMissing, TransactionRequired
 from django_idempotency.inbox.consumers import derived_event_id
 from django_idempotency.models import OutboxEvent, OutboxKeyLock
 from django_idempotency.publishers.routing import resolve_route
@@ -111,8 +111,9 @@ def publish(
             )
         with transaction.atomic(using=using):
             return publish(topic, payload, key=key, headers=headers, event_id=event_id, using=using)
+    given = _event_id(event_id)
     event = OutboxEvent(
-        event_id=_event_id(event_id),
+        event_id=given or uuid.uuid4(),
         topic=_text("topic", topic, required=True),
         key=_text("key", "" if key is None else str(key), required=False),
         payload=_json("payload", payload),
@@ -122,20 +123,44 @@ def publish(
     resolve_route(event.topic)  # an unroutable topic fails now, not after the commit
     now = timezone.now()
     event.created_at = event.next_attempt_at = now
-    _before_insert(connection, _after_commit(using), event.key)
+    # On a partitioned outbox, unique (event_id) holds only within each partition: an id given
+    # (or derived from a consumed message, so given again on redelivery) is looked up across
+    # them under its lock. A fresh uuid4 is not: it collides with nothing.
+    across_partitions = (
+        given is not None and conf.OUTBOX_PARTITIONS and connection.vendor == "postgresql"
+    )
+    _before_insert(
+        connection, _after_commit(using), event.key, str(given) if across_partitions else None
+    )
+    if (
+        across_partitions
+        and OutboxEvent.objects.using(using).filter(event_id=event.event_id).exists()
+    ):
+        raise _duplicate(event)
     try:
         event.save(using=using, force_insert=True)
     except IntegrityError as exc:
         # The only unique constraint is on event_id, and every backend's message names it;
         # asking the database instead would fail on PostgreSQL's aborted transaction.
         if "event_id" in str(exc):
-            raise DuplicateEventId(
-                f"An outbox event with event_id {event.event_id} already exists; this "
-                "transaction must roll back. Pass a new event_id, or none."
+            raise _duplicate(event) from exc
+        if "no partition of relation" in str(exc):
+            raise PartitionMissing(
+                f"No partition of {OutboxEvent._meta.db_table} covers this event's time "
+                "(IDEMPOTENCY['OUTBOX_PARTITIONS'] is on). Create the partitions ahead: run "
+                "`manage.py idempotency_partitions create --table outbox` now, and schedule it "
+                "(or the maintain_outbox_partitions task) daily."
             ) from exc
         raise
     signals.event_enqueued.send(sender=OutboxEvent, event=event)
     return event
+
+
+def _duplicate(event: OutboxEvent) -> DuplicateEventId:
+    return DuplicateEventId(
+        f"An outbox event with event_id {event.event_id} already exists; this "
+        "transaction must roll back. Pass a new event_id, or none."
+    )
 
 
 def _after_commit(using: str) -> _AfterCommit:
@@ -149,8 +174,11 @@ def _after_commit(using: str) -> _AfterCommit:
     return after_commit
 
 
-def _before_insert(connection: BaseDatabaseWrapper, done: _AfterCommit, key: str) -> None:
-    """Lock ``key`` (if any) and NOTIFY, each once per transaction, before the INSERT."""
+def _before_insert(
+    connection: BaseDatabaseWrapper, done: _AfterCommit, key: str, event_id: str | None = None
+) -> None:
+    """Lock ``key`` (if any) and NOTIFY, each once per transaction, and the ``event_id`` to
+    look up across partitions (PostgreSQL), before the INSERT."""
     path: _SavepointPath = list(connection.savepoint_ids)
     lock = bool(key) and not _still_held(done.locked.get(key), path)
     if connection.vendor == "postgresql":
@@ -159,6 +187,7 @@ def _before_insert(connection: BaseDatabaseWrapper, done: _AfterCommit, key: str
             connection,
             lock_key=key if lock else None,
             notify_channel=NOTIFY_CHANNEL if notify else None,
+            lock_event_id=event_id,
         )
         if notify:
             done.notified = path
@@ -178,9 +207,10 @@ def _still_held(taken_in: _SavepointPath | None, path: _SavepointPath) -> bool:
     return taken_in is not None and path[: len(taken_in)] == taken_in
 
 
-def _event_id(value: uuid.UUID | str | None) -> uuid.UUID:
+def _event_id(value: uuid.UUID | str | None) -> uuid.UUID | None:
+    """The event id given, or derived from the message being consumed; None: draw a new one."""
     if value is None:
-        return derived_event_id() or uuid.uuid4()
+        return derived_event_id()
     try:
         return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
     except ValueError:
