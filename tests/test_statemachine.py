@@ -25,7 +25,7 @@ from django_idempotency.core.statemachine import (
     lease_running,
     seconds_left,
 )
-from django_idempotency.core.types import Conflict, Mismatch, Proceed, Replay
+from django_idempotency.core.types import Conflict, Identity, Mismatch, Proceed, Replay
 from django_idempotency.db import database_now
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.querysets import expired_q, lease_expired_q, lease_running_q, stale_q
@@ -151,12 +151,31 @@ def test_a_claim_decides_what_the_rules_say(claim_path, data):
     """Whatever record a claim finds, its decision is the state machine's verdict, judged by
     the database's own clock; the PostgreSQL statement included."""
     now = database_now("default")
-    record = data.draw(records(now))
     ident = identity(fingerprint=MINE)
+    claim_as_the_rules_say(ident, data.draw(records(now)), now, created_at=now)
+
+
+#: The decision each verdict must give.
+DECISION = {
+    Verdict.CLAIM: Proceed,
+    Verdict.TAKE_OVER: Proceed,
+    Verdict.TAKE_OVER_DEAD_OWNER: Proceed,
+    Verdict.REPLAY: Replay,
+    Verdict.HANDED_OFF: Replay,
+    Verdict.CONFLICT: Conflict,
+    Verdict.MISMATCH: Mismatch,
+}
+
+
+def claim_as_the_rules_say(
+    ident: Identity, record: RecordState, now: datetime, *, created_at: datetime
+) -> Verdict:
+    """Plant ``record`` under ``ident``'s key (created at ``created_at``), claim the key, and
+    check the decision is the state machine's verdict, which it returns."""
     IdempotencyRecord.objects.create(
         scope=ident.scope, key=ident.key, fingerprint=record.fingerprint, status=record.status,
         owner_token=uuid.uuid4(), lease_expires_at=record.lease_expires_at, method="POST",
-        path="/", created_at=now, expires_at=record.expires_at, attempts=3,
+        path="/", created_at=created_at, expires_at=record.expires_at, attempts=3,
         response_status=None if record.status == PROCESSING else 201,
         response_body=None if record.status == PROCESSING else b"stored",
     )  # fmt: skip
@@ -164,19 +183,11 @@ def test_a_claim_decides_what_the_rules_say(claim_path, data):
     # locks, a running lease of a request that is gone is taken over at once.
     verdict = judge(record, MINE, now, owner_gone=presence.enabled("default"))
     decision = store.claim(ident, uuid.uuid4())
-    expected = {
-        Verdict.CLAIM: Proceed,
-        Verdict.TAKE_OVER: Proceed,
-        Verdict.TAKE_OVER_DEAD_OWNER: Proceed,
-        Verdict.REPLAY: Replay,
-        Verdict.HANDED_OFF: Replay,
-        Verdict.CONFLICT: Conflict,
-        Verdict.MISMATCH: Mismatch,
-    }[verdict]
-    assert isinstance(decision, expected), (record, verdict, decision)
+    assert isinstance(decision, DECISION[verdict]), (record, verdict, decision)
     if isinstance(decision, Proceed):
         taken_over = verdict in (Verdict.TAKE_OVER, Verdict.TAKE_OVER_DEAD_OWNER)
         assert decision.lease.attempt == (4 if taken_over else 1)
     if isinstance(decision, Replay):
         assert decision.response.body == b"stored"
         assert decision.handed_off == (verdict is Verdict.HANDED_OFF)
+    return verdict
