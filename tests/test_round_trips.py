@@ -429,4 +429,6 @@ def test_a_relay_claim_reads_no_more_for_deep_keys_than_for_shallow_ones():
     event at ``transaction_id`` 0, one row comparison ``(transaction_id, id) < (…)`` read every
     pending event of the key (PostgreSQL stops an index range on its first column only)."""
     shallow, deep = _claim_buffers(50), _claim_buffers(2000)
-    assert deep < 1.5 * shallow, (shallow, deep)
+    # Read 7.2 times as many pages before (1,113 and 8,002), 1.2 times after (1,413 and 1,656);
+    # 1.9 times on a partitioned outbox, whose checks probe every partition.
+    assert deep < 2.5 * shallow, (shallow, deep)
