@@ -46,6 +46,7 @@ from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.db import database_now
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
+from django_idempotency.outbox import presence
 from django_idempotency.outbox.publish import publish
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.base import OutboxMessage, Publisher
@@ -799,8 +800,11 @@ def _killed_relay(scratch: _Scratch, options: VerifyOptions) -> Result:
         **user_routes,
     }
     quiet = {"OUTBOX_PUBLISHERS": routes, "OUTBOX_KICK": None, "OUTBOX_NOTIFY": False}
-    with override_settings(IDEMPOTENCY={**getattr(settings, "IDEMPOTENCY", {}), **quiet}):
-        events = _scratch_events(scratch, topic, gate_topic, using)
+    with (
+        override_settings(IDEMPOTENCY={**getattr(settings, "IDEMPOTENCY", {}), **quiet}),
+        _gate_held(using) as gate_token,
+    ):
+        events = _scratch_events(scratch, topic, gate_topic, gate_token, using)
         ids = [event.pk for event in events]
         wanted = {str(event.event_id) for event in events}
         arguments = {"ids": ids, "topic": topic, "inner": inner, "lease": options.lease_seconds}
@@ -857,20 +861,38 @@ def _route_spec(topic: str, routes: dict[str, Any]) -> Any:
     return {"BACKEND": route.backend, "OPTIONS": dict(route.options)}
 
 
+@contextlib.contextmanager
+def _gate_held(using: str) -> Iterator[uuid.UUID]:
+    """The token of the gate's lease, with its relay lock held on this connection while the
+    check runs: a lease whose lock nobody holds is a gone relay's, which the project's relays
+    release at once (``Relay._release_batches_of_gone_relays``), and would then publish the gate
+    and take the scratch events before this run's relays."""
+    token = uuid.uuid4()
+    held = presence.enabled(using)
+    if held:
+        presence.hold(using, token)
+    try:
+        yield token
+    finally:
+        if held:
+            presence.let_go(using, token)
+
+
 def _scratch_events(
-    scratch: _Scratch, topic: str, gate_topic: str, using: str
+    scratch: _Scratch, topic: str, gate_topic: str, gate_token: uuid.UUID, using: str
 ) -> list[OutboxEvent]:
     """The scratch events, behind a gate only this run's relays can pass.
 
-    The gate is an earlier event with the same key, leased for a day: every relay of the
-    project holds later events of a key back while an earlier one is leased elsewhere, so none
-    of them ever claims these. The scratch relays see only the scratch events, not the gate.
+    The gate is an earlier event with the same key, leased for a day under ``gate_token`` (see
+    :func:`_gate_held`): every relay of the project holds later events of a key back while an
+    earlier one is leased elsewhere, so none of them ever claims these. The scratch relays see
+    only the scratch events, not the gate.
     """
     key = scratch.key("outbox")
     with transaction.atomic(using=using):
         gate = publish(gate_topic, {"gate": scratch.run}, key=key, using=using)
         OutboxEvent.objects.using(using).filter(pk=gate.pk).update(
-            locked_until=database_now(using) + timedelta(days=1), relay_token=uuid.uuid4()
+            locked_until=database_now(using) + timedelta(days=1), relay_token=gate_token
         )
         events = [
             publish(topic, {PREFIX: scratch.run, "n": n}, key=key, using=using)
