@@ -70,7 +70,7 @@ from django.db import (
     transaction,
 )
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import BigIntegerField, F, Field, Func, OuterRef, Q, QuerySet
+from django.db.models import BigIntegerField, Exists, F, Field, Func, OuterRef, Q, QuerySet
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Mod, Now
 from django.utils import timezone
@@ -87,11 +87,11 @@ from django_idempotency.publishers.base import OutboxMessage, Publisher
 from django_idempotency.publishers.routing import PublisherSet
 from django_idempotency.querysets import (
     UNPUBLISHED,
+    BeforeInRelayOrder,
     Moment,
     OutboxEventQuerySet,
     OutboxStatus,
     backing_off_q,
-    earlier_in_relay_order,
     lease_free_q,
 )
 
@@ -395,14 +395,11 @@ class Relay:
         """Due events in relay order that no earlier event with their key holds back."""
         events = self._events()
         same_key = events.filter(key=OuterRef("key"))
-
-        def earlier(blocking: OutboxEventQuerySet) -> Q:
-            return earlier_in_relay_order(blocking, OuterRef("transaction_id"), OuterRef("pk"))
-
+        earlier = same_key.filter(BeforeInRelayOrder(OuterRef("transaction_id"), OuterRef("pk")))
         # An earlier event that this very claim could take does not block: it sorts first and
         # lands in the same batch. One that is DEAD, backing off or leased elsewhere does.
-        blocked = earlier(same_key.filter(status=OutboxStatus.DEAD)) | earlier(
-            same_key.filter(status=OutboxStatus.PENDING).filter(
+        blocked = Exists(earlier.filter(status=OutboxStatus.DEAD)) | Exists(
+            earlier.filter(status=OutboxStatus.PENDING).filter(
                 backing_off_q(now) | Q(locked_until__gt=now)
             )
         )
@@ -472,18 +469,13 @@ class Relay:
         def candidate(name: str) -> RawSQL:
             return RawSQL(f"{postgresql.CLAIM_CANDIDATE}.{name}", [])
 
-        unpublished = (
+        outsider = (
             self._events()
             .filter(key=candidate("key"), status__in=UNPUBLISHED)
+            .filter(BeforeInRelayOrder(candidate("transaction_id"), candidate("id")))
             .exclude(pk__in=RawSQL(f"SELECT id FROM {batch}", []))
-            .values_list("pk")
         )
-        # Two ranges of the key's index, as in earlier_in_relay_order.
-        same_transaction = unpublished.filter(
-            transaction_id=candidate("transaction_id"), pk__lt=candidate("id")
-        )
-        earlier_transaction = unpublished.filter(transaction_id__lt=candidate("transaction_id"))
-        return self._sql(same_transaction.union(earlier_transaction, all=True))
+        return self._sql(outsider.values_list("pk"))
 
     def _sql(self, queryset: QuerySet[Any, Any]) -> postgresql.Fragment:
         sql, params = queryset.query.get_compiler(using=self.using).as_sql()
@@ -573,7 +565,11 @@ class Relay:
         held = set(
             self._events()
             .filter(pk__in=keyed)
-            .filter(earlier_in_relay_order(outsider, OuterRef("transaction_id"), OuterRef("pk")))
+            .filter(
+                Exists(
+                    outsider.filter(BeforeInRelayOrder(OuterRef("transaction_id"), OuterRef("pk")))
+                )
+            )
             .values_list("pk", flat=True)
         )
         return [row for row in rows if row.pk not in held]
