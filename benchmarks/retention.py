@@ -1,6 +1,6 @@
 """Retention of idempotency records on PostgreSQL: the DELETE sweep against dropping a partition.
 
-    make bench-retention ROWS=1000000     # needs POSTGRES_URL; database di_retention
+    make bench-retention ROWS=1000000     # needs POSTGRES_URL; databases di_retention*
 
 Builds the same records twice in a throwaway database (``di_retention``, dropped at the end):
 ``ROWS`` expired records, all created in one day's partition two days ago (COMPLETED, expired
@@ -16,14 +16,17 @@ partitions. Then it times retention both ways:
   partition.
 
 Each way reports its wall time, the WAL it wrote (``pg_current_wal_lsn()`` before and after),
-and the table's size afterwards (heap, TOAST and indexes of every partition). Before retention,
-each layout also times ``--claims`` first-time claims (``store.claim`` of fresh keys, one at a
-time, in autocommit as a request's claim runs) and reports their median. Last, the partitioned
-table is moved back to a plain one (``unpartition_table``) and the time writes waited is
-printed, for the per-million-rows figure of docs/operations.md; before that, the plain table
-the sweep left (the live records) is moved to partitions (``partition_table``), and the time of
-each step printed (validating the CHECK, during which writes go on; the swap, during which
-claims wait).
+and the table's size afterwards (heap, TOAST and indexes of every partition). The two layouts
+live in two databases (``di_retention`` and ``di_retention_partitioned``), both filled before
+either is timed, so that first-time claims (``store.claim`` of fresh keys, one at a time, in
+autocommit as a request's claim runs) can be timed against both in alternating blocks after a
+``CHECKPOINT``: timed one layout after the other, each right after its own fill and the other's
+sweep, the two medians differed by as much as a fifth between runs of the same code, and by the
+order they ran in. Last, the partitioned table is moved back to a plain one
+(``unpartition_table``) and the time writes waited is printed, for the per-million-rows figure
+of docs/operations.md; before that, the plain table the sweep left (the live records) is moved
+to partitions (``partition_table``), and the time of each step printed (validating the CHECK,
+during which writes go on; the swap, during which claims wait).
 
 Writes ``benchmarks/results/retention.json`` with exactly the keys ``rows, delete_seconds,
 drop_seconds, delete_wal_bytes, drop_wal_bytes, table_bytes_after_delete,
@@ -63,6 +66,9 @@ from django_idempotency.operations.sweeps import sweep_expired_records  # noqa: 
 from django_idempotency.request import store  # noqa: E402
 
 DATABASE = "di_retention"
+PARTITIONED_DATABASE = "di_retention_partitioned"
+#: Claims timed per block; the blocks alternate between the two layouts.
+CLAIM_BLOCK = 250
 RESULTS = Path(__file__).resolve().parent / "results" / "retention.json"
 TABLE = IdempotencyRecord._meta.db_table
 #: A stored response of a typical size: a small JSON body.
@@ -134,9 +140,21 @@ def autovacuum_off() -> None:
         sql(f"ALTER TABLE {name} SET (autovacuum_enabled = false)")
 
 
-def claim_p50_ms(claims: int) -> float:
+def use(database: str) -> None:
+    """Point the default connection at ``database`` (the next statement reconnects)."""
+    connection.close()
+    connection.settings_dict["NAME"] = database
+
+
+def layout(partitioned: bool, idempotency: dict[str, Any]) -> Any:
+    """The settings of one layout: its database, and ``RECORD_PARTITIONS``."""
+    use(PARTITIONED_DATABASE if partitioned else DATABASE)
+    return override_settings(IDEMPOTENCY={**idempotency, "RECORD_PARTITIONS": partitioned})
+
+
+def time_claims(count: int) -> list[float]:
     timings = []
-    for _ in range(claims):
+    for _ in range(count):
         identity = Identity(
             scope="user:bench", key=f"claim-{uuid.uuid4()}", fingerprint="e" * 64,
             method="POST", path="/api/orders/",
@@ -145,13 +163,32 @@ def claim_p50_ms(claims: int) -> float:
         decision = store.claim(identity, uuid.uuid4())
         timings.append(time.perf_counter() - started)
         assert isinstance(decision, Proceed), decision
-    return round(statistics.median(timings) * 1000, 3)
+    # The claims hold their owner locks (nothing completes them): let go of them all.
+    sql("SELECT pg_advisory_unlock_all()")
+    return timings
 
 
-def plain(rows: int, live_rows: int, claims: int) -> dict[str, Any]:
+def claim_p50_ms(claims: int, idempotency: dict[str, Any]) -> dict[str, float]:
+    """Median first-time claim on each layout, timed in alternating blocks of
+    :data:`CLAIM_BLOCK` after a checkpoint, so that neither layout gets the quieter moments."""
+    sql("CHECKPOINT")
+    timings: dict[bool, list[float]] = {False: [], True: []}
+    for block in range(max(1, claims // CLAIM_BLOCK)):
+        for partitioned in (False, True) if block % 2 == 0 else (True, False):
+            with layout(partitioned, idempotency):
+                timings[partitioned] += time_claims(CLAIM_BLOCK)
+    return {
+        "claim_p50_ms_plain": round(statistics.median(timings[False]) * 1000, 3),
+        "claim_p50_ms_partitioned": round(statistics.median(timings[True]) * 1000, 3),
+    }
+
+
+def fill_plain(rows: int, live_rows: int) -> None:
     fill(rows, live_rows)
     autovacuum_off()
-    p50 = claim_p50_ms(claims)
+
+
+def plain(rows: int) -> dict[str, Any]:
     before, started = wal(), time.perf_counter()
     deleted = sweep_expired_records()
     sql(f'VACUUM "{TABLE}"')
@@ -163,7 +200,6 @@ def plain(rows: int, live_rows: int, claims: int) -> dict[str, Any]:
         "delete_seconds": round(seconds, 3),
         "delete_wal_bytes": written,
         "table_bytes_after_delete": table_bytes(),
-        "claim_p50_ms_plain": p50,
     }
 
 
@@ -178,8 +214,7 @@ def move(count: int) -> None:
     print(f"unpartition: {count} rows, writes waited {waited:.2f} s")
 
 
-def partitioned(rows: int, live_rows: int, claims: int) -> dict[str, Any]:
-    sql(f'TRUNCATE "{TABLE}"')
+def fill_partitioned(rows: int, live_rows: int) -> None:
     now = database_now("default")
     partitions.partition_table(bound=partitions.window_start(now) - timedelta(days=2))
     # Partitions from two days ago: the expired day's, yesterday's and today's (and ahead).
@@ -190,7 +225,9 @@ def partitioned(rows: int, live_rows: int, claims: int) -> dict[str, Any]:
         start += timedelta(days=1)
     fill(rows, live_rows)
     autovacuum_off()
-    p50 = claim_p50_ms(claims)
+
+
+def partitioned(live_rows: int, claims: int) -> dict[str, Any]:
     before, started = wal(), time.perf_counter()
     outcomes = partitions.apply_retention()
     seconds = time.perf_counter() - started
@@ -204,7 +241,6 @@ def partitioned(rows: int, live_rows: int, claims: int) -> dict[str, Any]:
         "drop_seconds": round(seconds, 3),
         "drop_wal_bytes": written,
         "table_bytes_after_drop": table_bytes(),
-        "claim_p50_ms_partitioned": p50,
     }
     count = IdempotencyRecord.objects.count()
     waited = partitions.unpartition_table()
@@ -227,18 +263,30 @@ def main() -> None:
     if connection.vendor != "postgresql":
         raise SystemExit("Run with TEST_DATABASE=postgresql and POSTGRES_URL set.")
     live_rows = args.rows if args.live_rows is None else args.live_rows
-    connection.settings_dict.setdefault("TEST", {})["NAME"] = DATABASE
+    claims = max(CLAIM_BLOCK, args.claims // CLAIM_BLOCK * CLAIM_BLOCK)
+    test = connection.settings_dict.setdefault("TEST", {})
+    test["NAME"] = DATABASE
     old_name = connection.creation.create_test_db(verbosity=0, keepdb=False)
+    test["NAME"] = PARTITIONED_DATABASE
+    connection.creation.create_test_db(verbosity=0, keepdb=False)
     idempotency = {**getattr(settings, "IDEMPOTENCY", {}), "TTL_SECONDS": 86400}
     try:
         print(f"retention of {args.rows} expired records beside {live_rows} live ones")
-        with override_settings(IDEMPOTENCY={**idempotency, "RECORD_PARTITIONS": False}):
-            result = plain(args.rows, live_rows, args.claims)
+        with layout(False, idempotency):
+            fill_plain(args.rows, live_rows)
+        with layout(True, idempotency):
+            fill_partitioned(args.rows, live_rows)
+        result = claim_p50_ms(claims, idempotency)
+        print(f"first-time claims, {claims} per layout: {result}")
+        with layout(False, idempotency):
+            result.update(plain(args.rows))
         with override_settings(IDEMPOTENCY={**idempotency, "RECORD_PARTITIONS": True}):
-            move(live_rows + args.claims)
-            sql(f'TRUNCATE "{TABLE}"')
-            result.update(partitioned(args.rows, live_rows, args.claims))
+            move(live_rows + claims)  # on the plain table the sweep left
+        with layout(True, idempotency):
+            result.update(partitioned(live_rows, claims))
     finally:
+        use(PARTITIONED_DATABASE)
+        connection.creation.destroy_test_db(DATABASE, verbosity=0)
         connection.creation.destroy_test_db(old_name, verbosity=0)
     keys = [
         "rows",
