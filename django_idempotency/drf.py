@@ -117,12 +117,10 @@ class IdempotencyMixin(_Base):
         if handler is None or not lifecycle.guards(request._request, options):
             super().initial(request, *args, **kwargs)
             return
-        # Content negotiation first, as DRF's own initial() does it: every answer from here on,
-        # a replay or an error such as an unparseable body, is rendered with its result.
+        # No content negotiation yet: a replay sends stored bytes and needs none, a request
+        # that goes on gets DRF's own in initial(), and an error answered before that gets it
+        # in handle_exception(). Only the format suffix, which negotiation reads, is set now.
         self.format_kwarg = self.get_format_suffix(**kwargs)
-        request.accepted_renderer, request.accepted_media_type = self.perform_content_negotiation(
-            request
-        )
         # Read the body now, before an authentication or permission class can consume the
         # stream, so the fingerprint sees exactly what the handler will.
         prepare_body(request._request)
@@ -182,7 +180,15 @@ class IdempotencyMixin(_Base):
         return finalized
 
     def handle_exception(self, exc: Exception) -> Response:
-        return problem_details(super().handle_exception(exc), exc, self.request)
+        request = self.request
+        if isinstance(exc, IdempotencyHTTPError) and not getattr(
+            request, "accepted_renderer", None
+        ):
+            # Refused before DRF's initial() negotiated: negotiate now, falling back to the
+            # first renderer rather than answering 406 instead of the refusal.
+            negotiated = self.perform_content_negotiation(request, force=True)
+            request.accepted_renderer, request.accepted_media_type = negotiated
+        return problem_details(super().handle_exception(exc), exc, request)
 
 
 def serve_api_view(

@@ -96,6 +96,27 @@ def test_same_key_for_another_request_is_422(client, key, second):
     assert Widget.objects.count() == 1
 
 
+def test_accept_is_negotiated_only_by_a_request_that_runs(client, key):
+    """A replay sends the stored bytes whatever the retry accepts; a refusal falls back to
+    the first renderer rather than a 406; a first request the view cannot answer in a type the
+    client accepts gets DRF's 406 and leaves its key free."""
+    refused = post(client, key, HTTP_ACCEPT="application/xml")
+    assert refused.status_code == 406
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    first = post(client, key)
+    assert first.status_code == 201
+    replay = post(client, key, HTTP_ACCEPT="application/xml")
+    assert replay.status_code == 201 and replay.content == first.content
+    assert replay["Idempotent-Replay"] == "true"
+    mismatch = post(client, key, body={"name": "other"}, HTTP_ACCEPT="application/xml")
+    assert mismatch.status_code == 422
+    assert problem(mismatch)["error"] == "payload_mismatch"
+    browsable = post(client, key, body={"name": "other"}, HTTP_ACCEPT="text/html")
+    assert browsable.status_code == 422
+    assert browsable["Content-Type"].startswith("text/html")
+    assert Widget.objects.count() == 1
+
+
 def test_reformatted_json_is_the_same_request(client, key):
     first = client.post(
         URL, '{"name": "w", "sleep": 0}', content_type="application/json",
