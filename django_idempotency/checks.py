@@ -72,6 +72,8 @@ __all__ = [
     "E040",
     "E041",
     "E042",
+    "E043",
+    "E044",
     "E060",
     "E080",
     "E081",
@@ -153,10 +155,12 @@ W023 = "django_idempotency.W023"  # an idempotent consumer task without reject_o
 W024 = "django_idempotency.W024"  # OUTBOX_PUBLISHERS has no catch-all ("*") route
 W025 = "django_idempotency.W025"  # the default OUTBOX_KICK without Celery relays in-process
 W026 = "django_idempotency.W026"  # a NATS duplicate window shorter than the retry horizon
-# Redis fast path
+# Fast paths: the Redis copy, and answers kept in memory
 E040 = "django_idempotency.E040"  # CACHE_ALIAS is not None or a configured cache alias
 E041 = "django_idempotency.E041"  # CACHE_ALIAS names a cache that is not django-redis
 E042 = "django_idempotency.E042"  # CACHE_RETRY_SECONDS is not a number >= 0
+E043 = "django_idempotency.E043"  # LOCAL_REPLAY_SECONDS is not a number >= 0
+E044 = "django_idempotency.E044"  # LOCAL_REPLAY_ENTRIES is not a positive integer
 W040 = "django_idempotency.W040"  # the CACHE_ALIAS cache has no socket timeouts
 # Operations
 E060 = "django_idempotency.E060"  # REGISTER_ADMIN, METRICS or TRACING is not a boolean
@@ -1202,6 +1206,18 @@ OUTBOX_CHECKS: tuple[Check, ...] = (
 )
 
 FAST_PATH_CHECKS: tuple[Check, ...] = (
+    Check(
+        E043,
+        _bad_numbers("LOCAL_REPLAY_SECONDS", zero=True),
+        "IDEMPOTENCY['LOCAL_REPLAY_SECONDS'] must be a number of seconds >= 0, not {value}.",
+        "0 (the default) keeps no answer in memory; a few seconds cover a retry storm.",
+    ),
+    Check(
+        E044,
+        _bad_numbers("LOCAL_REPLAY_ENTRIES", whole=True),
+        "IDEMPOTENCY['LOCAL_REPLAY_ENTRIES'] must be a whole number > 0, not {value}.",
+        "The most answers one process keeps in memory; the default is 1000.",
+    ),
     Check(
         E042,
         _bad_numbers("CACHE_RETRY_SECONDS", zero=True),

@@ -71,6 +71,9 @@ DEFAULTS: dict[str, Any] = {
     # Redis fast path: the django-redis cache alias to use, or None for the database only.
     "CACHE_ALIAS": None,
     "CACHE_RETRY_SECONDS": 5,
+    # Answers kept in this process's memory for a retry storm (request/recent.py); 0: none.
+    "LOCAL_REPLAY_SECONDS": 0,
+    "LOCAL_REPLAY_ENTRIES": 1000,
     # Operations: admin registration, Prometheus metrics, OpenTelemetry spans.
     "REGISTER_ADMIN": True,
     "METRICS": True,
@@ -341,6 +344,14 @@ class IdempotencySettings:
     @property
     def CACHE_RETRY_SECONDS(self) -> float:
         return self.number("CACHE_RETRY_SECONDS")
+
+    @property
+    def LOCAL_REPLAY_SECONDS(self) -> float:
+        return self.number("LOCAL_REPLAY_SECONDS")
+
+    @property
+    def LOCAL_REPLAY_ENTRIES(self) -> int:
+        return self.integer("LOCAL_REPLAY_ENTRIES")
 
     @property
     def TAKE_OVER_DEAD_OWNERS(self) -> bool:

@@ -47,7 +47,7 @@ from django_idempotency.exceptions import (
     IdempotentResultNotStorable,
     LeaseLost,
 )
-from django_idempotency.request import cache, events, lifecycle, store
+from django_idempotency.request import events, lifecycle, store
 from django_idempotency.request.heartbeat import LeaseHeartbeat
 
 __all__ = [
@@ -452,12 +452,7 @@ class _Guarded:
         except BaseException:
             lifecycle.release(lease, "exception")
             raise
-        events.completed(lease, stored)
-        if cache.enabled():
-            ttl = (conf.TTL_SECONDS if self.ttl is None else self.ttl) - (
-                time.monotonic() - completed_at
-            )
-            cache.remember(lease.identity, stored, ttl)
+        lifecycle.remember_completion(lease, stored, completed_at)
         return self.load(stored)
 
     def dump(self, value: Any) -> StoredResponse:

@@ -356,6 +356,14 @@ SCENARIOS: dict[str, tuple[Scenario, Scenario]] = {
         lambda p: p.idempotency(CACHE_RETRY_SECONDS="-1"),
         lambda p: p.idempotency(CACHE_RETRY_SECONDS="0"),
     ),
+    checks.E043: (
+        lambda p: p.idempotency(LOCAL_REPLAY_SECONDS="-1"),
+        lambda p: p.idempotency(LOCAL_REPLAY_SECONDS="2.5"),
+    ),
+    checks.E044: (
+        lambda p: p.idempotency(LOCAL_REPLAY_ENTRIES=0),
+        lambda p: p.idempotency(LOCAL_REPLAY_ENTRIES="500"),
+    ),
     checks.W040: (
         lambda p: (
             p.set(CACHES={"default": {**REDIS, "OPTIONS": {}}}),

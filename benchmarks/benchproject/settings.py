@@ -1,8 +1,9 @@
 """Benchmark-only settings: the demo's payments app, served in one of several variants.
 
 ``BENCH_VARIANT`` picks what guards ``POST /api/v1/payments/``: ``ours`` (database only),
-``ours-redis`` (with the Redis fast path), or one of the PyPI peers wired as their READMEs
-say (``dik``: django-idempotency-key, ``drfi-db`` / ``drfi-redis``: drf-idempotency,
+``ours-redis`` (with the Redis fast path), ``ours-memory`` (database only, answers kept in
+each worker's memory for 5 s: ``LOCAL_REPLAY_SECONDS``), or one of the PyPI peers wired as
+their READMEs say (``dik``: django-idempotency-key, ``drfi-db`` / ``drfi-redis``: drf-idempotency,
 ``drfik``: drf-idempotencykey). ``all`` installs every app, for migrations.
 """
 
@@ -74,9 +75,11 @@ REST_FRAMEWORK = {
 }
 LOGGING = {"version": 1, "disable_existing_loggers": False, "root": {"level": "ERROR"}}
 
-OURS = VARIANT in ("ours", "ours-redis", "all")
+OURS = VARIANT in ("ours", "ours-redis", "ours-memory", "all")
 if OURS:
     IDEMPOTENCY: dict[str, Any] = {"CACHE_ALIAS": "redis" if VARIANT == "ours-redis" else None}
+    if VARIANT == "ours-memory":
+        IDEMPOTENCY["LOCAL_REPLAY_SECONDS"] = 5
 if VARIANT in ("dik", "all"):
     INSTALLED_APPS.append("idempotency_key")
     # README: the middleware makes every unsafe method require a key. Its default storage is

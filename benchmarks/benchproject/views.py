@@ -44,7 +44,7 @@ View = TypeVar("View", bound=type)
 
 def guarded(view: View) -> View:
     """``view`` as this variant guards it (middleware variants guard it from outside)."""
-    if settings.VARIANT in ("ours", "ours-redis"):
+    if settings.VARIANT in ("ours", "ours-redis", "ours-memory"):
         from django_idempotency.drf import IdempotencyMixin
 
         return type(f"Ours{view.__name__}", (IdempotencyMixin, view), {})  # type: ignore[return-value]

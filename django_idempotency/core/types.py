@@ -100,6 +100,9 @@ class Replay:
     #: The stored response is the 202 of a request handed to a worker that still holds the
     #: key (ACCEPTED): a duplicate that may wait waits for the worker's final response.
     handed_off: bool = False
+    #: Seconds the record has left before it expires, when the answer's source knows: how long
+    #: this process may keep the answer in memory (``LOCAL_REPLAY_SECONDS``).
+    expires_in: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from django.dispatch import receiver
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
-from django_idempotency.core.types import Identity, StoredResponse
+from django_idempotency.core.types import Identity, Replay, StoredResponse
 from django_idempotency.exceptions import IdempotencyConfigurationError
 from django_idempotency.request import events
 
@@ -118,7 +118,7 @@ def hash_tag(scope: str, key: str) -> str:
     return f"{scope_digest}:{record_digest}"
 
 
-def lookup(identity: Identity) -> StoredResponse | None:
+def lookup(identity: Identity) -> Replay | None:
     """The completed response for exactly this request, or None to ask the database."""
     if not _in_use():
         return None
@@ -140,7 +140,7 @@ def remember(identity: Identity, stored: StoredResponse, ttl_seconds: float) -> 
     try:
         _client().set(
             redis_key(identity.scope, identity.key),
-            _encode(identity.fingerprint, stored),
+            _encode(identity.fingerprint, stored, time.time() + ttl_seconds),
             px=milliseconds,
         )
     except REDIS_ERRORS as exc:
@@ -164,13 +164,22 @@ def _forget_released(sender: Any, scope: str, key: str, reason: str = "", **kwar
         forget(scope, key)
 
 
-def _encode(fingerprint: str, stored: StoredResponse) -> bytes:
-    meta = {"f": fingerprint, "s": stored.status, "h": stored.headers, "r": stored.retained}
+def _encode(fingerprint: str, stored: StoredResponse, expires_at: float) -> bytes:
+    """The copy: its metadata as a JSON line, then the body. ``x`` is the record's expiry
+    (epoch seconds), for the answers a process keeps in memory (``request/recent.py``)."""
+    meta = {
+        "f": fingerprint,
+        "s": stored.status,
+        "h": stored.headers,
+        "r": stored.retained,
+        "x": round(expires_at, 3),
+    }
     return _COPY + json.dumps(meta, separators=(",", ":")).encode() + b"\n" + stored.body
 
 
-def _decode(value: bytes, fingerprint: str) -> StoredResponse | None:
-    """The stored response when the copy is readable and was made for the same fingerprint."""
+def _decode(value: bytes, fingerprint: str) -> Replay | None:
+    """The stored response when the copy is readable and was made for the same fingerprint,
+    with the seconds its record has left when the copy says (copies made before it did not)."""
     if not value.startswith(_COPY):
         return None
     head, _, body = value[1:].partition(b"\n")
@@ -178,12 +187,15 @@ def _decode(value: bytes, fingerprint: str) -> StoredResponse | None:
         meta = json.loads(head)
         if meta["f"] != fingerprint:
             return None  # the database decides between a replay and 422
-        return StoredResponse(
+        stored = StoredResponse(
             status=int(meta["s"]),
             headers=[(str(name), str(val)) for name, val in meta["h"]],
             body=body,
             retained=bool(meta["r"]),
         )
+        expires_at = meta.get("x")
+        expires_in = None if expires_at is None else float(expires_at) - time.time()
+        return Replay(stored, expires_in=expires_in)
     except (ValueError, KeyError, TypeError):
         logger.warning("unreadable idempotency entry in Redis; asking the database")
         return None

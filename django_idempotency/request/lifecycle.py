@@ -66,7 +66,7 @@ from django_idempotency.exceptions import (
     StoreUnavailable,
     TransactionInProgress,
 )
-from django_idempotency.request import attach, cache, events, store
+from django_idempotency.request import attach, cache, events, recent, store
 from django_idempotency.request.fingerprint import (
     DJANGO_LIMIT,
     BodyLimit,
@@ -100,6 +100,7 @@ __all__ = [
     "reclaim",
     "refusal",
     "release",
+    "remember_completion",
     "replay",
     "run",
     "serve",
@@ -265,15 +266,17 @@ def identify(request: HttpRequest, key: str, *, scope: str, fingerprint: str) ->
 def claim(
     identity: Identity, *, lease_seconds: float | None = None, ttl_seconds: float | None = None
 ) -> Decision:
-    """Claim a key: a replay from the Redis copy, else the record store's decision.
+    """Claim a key: a replay kept in this process's memory or in Redis, else the record
+    store's decision.
 
     ``lease_seconds`` and ``ttl_seconds`` override the settings for this key (see
     :func:`store.claim <django_idempotency.request.store.claim>`).
     """
-    stored = cache.lookup(identity)
-    if stored is not None:
-        decision: Decision = Replay(stored)
-    else:
+    kept = recent.lookup(identity)
+    decision: Decision | None = None if kept is None else Replay(kept)
+    if decision is None:
+        decision = cache.lookup(identity)
+    if decision is None:
         try:
             decision = store.claim(
                 identity, uuid.uuid4(), lease_seconds=lease_seconds, ttl_seconds=ttl_seconds
@@ -283,6 +286,8 @@ def claim(
                 identity, "idempotency claim failed: database unavailable", exc
             )
             raise StoreUnavailable() from exc
+    if kept is None and isinstance(decision, Replay) and not decision.handed_off:
+        recent.remember(identity, decision.response, decision.expires_in)
     events.announce(identity, decision)
     return decision
 
@@ -377,18 +382,20 @@ def run(
         # No Redis copy of a 202: the worker's final response replaces it.
         events.handed_off(lease, stored)
     else:
-        _remember(lease, stored, completed_at)
+        remember_completion(lease, stored, completed_at)
     # After the commit (and the Redis copy): a woken duplicate's claim must find the response.
     attach.notify(lease.using, lease.identity)
     return _first_time(response)
 
 
-def _remember(lease: Lease, stored: StoredResponse, completed_at: float) -> None:
-    """Announce a completion just committed, and keep its Redis copy."""
+def remember_completion(lease: Lease, stored: StoredResponse, completed_at: float) -> None:
+    """Announce a completion just committed (``completed_at``, monotonic), and keep its copies:
+    in this process's memory (``LOCAL_REPLAY_SECONDS``) and in Redis."""
     events.completed(lease, stored)
+    # The copies expire with the record, which was given its TTL at the commit just done.
+    ttl = (lease.ttl_seconds or conf.TTL_SECONDS) - (time.monotonic() - completed_at)
+    recent.remember(lease.identity, stored, ttl)
     if cache.enabled():
-        # The copy expires with the record, which was given its TTL at the commit just done.
-        ttl = (lease.ttl_seconds or conf.TTL_SECONDS) - (time.monotonic() - completed_at)
         cache.remember(lease.identity, stored, ttl)
 
 
@@ -468,7 +475,7 @@ def finish_handed_off(
         if not store.complete(lease, stored, held_as=ACCEPTED):
             raise LeaseLost("the handed-off key changed hands while its row was locked")
         completed_at = time.monotonic()
-    _remember(lease, stored, completed_at)
+    remember_completion(lease, stored, completed_at)
     attach.notify(lease.using, lease.identity)
     return HandOffOutcome.COMPLETED, response
 

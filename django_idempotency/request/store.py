@@ -168,7 +168,7 @@ def _decision(
     ):
         verdict = judge(state, identity.fingerprint, now, owner_gone=True)
     if verdict is Verdict.REPLAY:
-        return Replay(_stored(record))
+        return Replay(_stored(record), expires_in=(record.expires_at - now).total_seconds())
     if verdict is Verdict.HANDED_OFF:
         return Replay(_stored(record), handed_off=True)
     if verdict is Verdict.CONFLICT:

@@ -1,0 +1,96 @@
+"""Answers this process gave lately, kept in memory for a retry storm (``LOCAL_REPLAY_SECONDS``).
+
+A client that retries a completed request many times in a few seconds, or a webhook sender that
+redelivers in bursts, is answered here, without a round trip to Redis or the database. Off by
+default (``LOCAL_REPLAY_SECONDS = 0``). What turning it on gives up, and what it keeps:
+
+* An entry lives at most ``LOCAL_REPLAY_SECONDS`` after this process stored or read the
+  response, and never past its record's expiry as this process learnt it (from the database's
+  clock, or from the expiry the Redis copy carries); a copy that carries none is not kept.
+* A key released in this process (an operator's release, the sweep) is forgotten here at once
+  (``key_released``); released in another process, it is replayed here for up to
+  ``LOCAL_REPLAY_SECONDS`` more.
+* Entries are per scope and key, and a request with another fingerprint is never answered from
+  here (the database decides between its replay and a 422), so a replay never crosses callers.
+* Only the final response of a completed key is kept; a handed-off request's 202 is not.
+* At most ``LOCAL_REPLAY_ENTRIES`` entries, the least recently used dropped first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from django_idempotency import signals
+from django_idempotency.conf import conf
+from django_idempotency.core.types import Identity, StoredResponse
+
+__all__ = ["clear", "forget", "lookup", "remember"]
+
+#: (scope, key) -> (monotonic deadline, fingerprint, response), least recently used first.
+_entries: OrderedDict[tuple[str, str], tuple[float, str, StoredResponse]] = OrderedDict()
+_lock = threading.Lock()
+
+
+def lookup(identity: Identity) -> StoredResponse | None:
+    """The response kept for exactly this request, or None to ask Redis or the database."""
+    if conf.LOCAL_REPLAY_SECONDS <= 0:
+        return None
+    name = (identity.scope, identity.key)
+    with _lock:
+        entry = _entries.get(name)
+        if entry is None:
+            return None
+        deadline, fingerprint, stored = entry
+        if deadline <= time.monotonic():
+            del _entries[name]
+            return None
+        if fingerprint != identity.fingerprint:
+            return None
+        _entries.move_to_end(name)
+        return stored
+
+
+def remember(identity: Identity, stored: StoredResponse, expires_in: float | None) -> None:
+    """Keep a completed key's response for ``LOCAL_REPLAY_SECONDS``, or until its record's
+    expiry ``expires_in`` seconds from now if sooner; not at all when that is unknown."""
+    keep = conf.LOCAL_REPLAY_SECONDS
+    if keep <= 0 or expires_in is None:
+        return
+    seconds = min(keep, expires_in)
+    if seconds <= 0:
+        return
+    capacity = conf.LOCAL_REPLAY_ENTRIES
+    name = (identity.scope, identity.key)
+    with _lock:
+        _entries[name] = (time.monotonic() + seconds, identity.fingerprint, stored)
+        _entries.move_to_end(name)
+        while len(_entries) > capacity:
+            _entries.popitem(last=False)
+
+
+def forget(scope: str, key: str) -> None:
+    with _lock:
+        _entries.pop((scope, key), None)
+
+
+def clear() -> None:
+    with _lock:
+        _entries.clear()
+
+
+@receiver(signals.key_released, dispatch_uid="django_idempotency.request.recent.forget")
+def _forget_released(sender: Any, scope: str, key: str, **kwargs: Any) -> None:
+    forget(scope, key)
+
+
+@receiver(setting_changed, dispatch_uid="django_idempotency.request.recent.settings")
+def _settings_changed(setting: str, **kwargs: Any) -> None:
+    # A test (or a deploy that reloads settings) starts from what the new settings say.
+    if setting == "IDEMPOTENCY":
+        clear()
