@@ -181,11 +181,10 @@ class IdempotencyMixin(_Base):
 
     def handle_exception(self, exc: Exception) -> Response:
         request = self.request
-        if isinstance(exc, IdempotencyHTTPError) and not getattr(
-            request, "accepted_renderer", None
-        ):
-            # Refused before DRF's initial() negotiated: negotiate now, falling back to the
-            # first renderer rather than answering 406 instead of the refusal.
+        if not getattr(request, "accepted_renderer", None):
+            # Raised before DRF's initial() negotiated (a refusal, a body Django cannot parse):
+            # negotiate now, as DRF's error handling expects, falling back to the first
+            # renderer rather than answering 406 instead of the error.
             negotiated = self.perform_content_negotiation(request, force=True)
             request.accepted_renderer, request.accepted_media_type = negotiated
         return problem_details(super().handle_exception(exc), exc, request)

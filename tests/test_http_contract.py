@@ -7,6 +7,7 @@ import threading
 
 import pytest
 from django.db import connection
+from django.test import Client
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIRequestFactory
 
@@ -115,6 +116,17 @@ def test_accept_is_negotiated_only_by_a_request_that_runs(client, key):
     assert browsable.status_code == 422
     assert browsable["Content-Type"].startswith("text/html")
     assert Widget.objects.count() == 1
+
+
+def test_a_body_django_cannot_parse_is_its_400_not_a_500(key, settings):
+    """Raised before DRF negotiated (the fingerprint reads the body first): DRF's handling of
+    an uncaught error, which under DEBUG reads the negotiated renderer, still gets one."""
+    settings.DEBUG = True
+    response = Client(raise_request_exception=False).post(
+        URL, b'{"name": "w"}', content_type="multipart/form-data", HTTP_IDEMPOTENCY_KEY=key
+    )
+    assert response.status_code == 400
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
 
 
 def test_reformatted_json_is_the_same_request(client, key):
