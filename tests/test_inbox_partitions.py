@@ -27,7 +27,12 @@ from django_idempotency.models import ProcessedMessage
 from django_idempotency.operations import partitions
 from django_idempotency.operations.partitions import INBOX
 from django_idempotency.operations.sweeps import sweep_processed_messages
-from tests.test_partitions import Threads, partitioned_layout, wait_until
+from tests.test_partitions import (
+    Threads,
+    partitioned_layout,
+    past_the_legacy_retention,
+    wait_until,
+)
 
 pytestmark = [
     pytest.mark.skipif(connection.vendor != "postgresql", reason="partitions are PostgreSQL's"),
@@ -147,7 +152,7 @@ def test_retention_drops_inbox_partitions_past_the_retention(partitioned, idempo
     bound = partitioned(now + timedelta(seconds=1))
     assert sweep_processed_messages() == 0  # left to retention
     assert partitions.apply_retention(now=now, layout=INBOX) == []  # not ended yet
-    later = bound + timedelta(days=1, minutes=1)
+    later = past_the_legacy_retention(bound)
     assert partitions.apply_retention(now=later, layout=INBOX) == [
         partitions.RetentionOutcome(LEGACY, "dropped")
     ]

@@ -37,7 +37,12 @@ from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
 from django_idempotency.querysets import OutboxStatus
 from tests.outbox_support import REPO_ROOT, publish_committed
-from tests.test_partitions import Threads, partitioned_layout, wait_until
+from tests.test_partitions import (
+    Threads,
+    partitioned_layout,
+    past_the_legacy_retention,
+    wait_until,
+)
 
 pytestmark = [
     pytest.mark.skipif(connection.vendor != "postgresql", reason="partitions are PostgreSQL's"),
@@ -250,9 +255,9 @@ def test_retention_drops_only_published_events_past_the_retention(
     dead = [plant(OutboxStatus.DEAD, created_at=old) for _ in range(2)]
     recent = plant(created_at=old, published_at=now)
     bound = partitioned(now + timedelta(seconds=1))
-    later = bound + timedelta(days=1, hours=1)
+    later = past_the_legacy_retention(bound)
     # Past the retention, the legacy partition still holds a PENDING and two DEAD events
-    # (``recent``, published a day and an hour before ``later``, is past the retention).
+    # (``recent``, published more than a day before ``later``, is past the retention).
     refused = partitions.apply_retention(now=later, layout=OUTBOX)
     assert refused == [partitions.RetentionOutcome(LEGACY, "refused", 3)]
     assert refused[0].detail == "2 DEAD, 1 PENDING"

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from django_idempotency.conf import conf
 from django_idempotency.core.statemachine import COMPLETED, PROCESSING, Verdict
 from django_idempotency.core.types import (
     Conflict,
@@ -70,6 +71,17 @@ def partitioned_layout(
         with connection.cursor() as cursor:  # what a move that failed half-way may leave
             legacy = f"{layout.table}{partitions.LEGACY_SUFFIX}_bound"
             cursor.execute(f'ALTER TABLE "{layout.table}" DROP CONSTRAINT IF EXISTS "{legacy}"')
+
+
+def past_the_legacy_retention(
+    bound: datetime, retention: timedelta = timedelta(days=1)
+) -> datetime:
+    """A moment past the retention of the legacy partition, which ends at ``bound``, and not yet
+    past that of the partition after it, which ends at the next window boundary: an hour past,
+    or half way to the next one's if that comes sooner, so that the test means the same at
+    any time of day (an hour before midnight, "an hour past" is past both)."""
+    next_end = partitions.window_start(bound) + timedelta(days=conf.PARTITION_SPAN_DAYS)
+    return bound + retention + min(timedelta(hours=1), (next_end - bound) / 2)
 
 
 @pytest.fixture
@@ -385,9 +397,8 @@ def test_retention_drops_dead_partitions_and_refuses_live_ones(partitioned):
     now = database_now("default")
     plant(created_at=now - timedelta(days=3), expires_at=now - timedelta(days=2))
     bound = partitioned(now + timedelta(seconds=1))
-    later = bound + timedelta(days=1, hours=1)
-    # A day and an hour later, the legacy partition (ended at the bound) is past the TTL, and
-    # what it holds expired.
+    later = past_the_legacy_retention(bound)
+    # The legacy partition (ended at the bound) is past the TTL, and what it holds expired.
     assert partitions.apply_retention(now=later, dry_run=True) == [
         partitions.RetentionOutcome(LEGACY, "due")
     ]
@@ -404,7 +415,7 @@ def test_retention_drops_dead_partitions_and_refuses_live_ones(partitioned):
 def test_retention_refuses_a_partition_held_by_a_running_lease(partitioned):
     now = database_now("default")
     bound = partitioned(now + timedelta(seconds=1))
-    later = bound + timedelta(days=1, hours=1)
+    later = past_the_legacy_retention(bound)
     plant(
         status=PROCESSING, created_at=now - timedelta(hours=1), expires_at=now,
         lease_expires_at=later + timedelta(minutes=1),
