@@ -13,7 +13,7 @@ class IdempotencyConfig(AppConfig):
 
     def ready(self) -> None:
         from django_idempotency import checks
-        from django_idempotency.request import cache  # noqa: F401  (listens to key_released)
+        from django_idempotency.request import cache, recent  # noqa: F401  (key_released)
 
         checks.register_all()
 

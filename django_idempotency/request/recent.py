@@ -7,7 +7,7 @@ default (``LOCAL_REPLAY_SECONDS = 0``). What turning it on gives up, and what it
 * An entry lives at most ``LOCAL_REPLAY_SECONDS`` after this process stored or read the
   response, and never past its record's expiry as this process learnt it (from the database's
   clock, or from the expiry the Redis copy carries); a copy that carries none is not kept.
-* A key released in this process (an operator's release, the sweep) is forgotten here at once
+* A key released in this process (an operator's release) is forgotten here at once
   (``key_released``); released in another process, it is replayed here for up to
   ``LOCAL_REPLAY_SECONDS`` more.
 * Entries are per scope and key, and a request with another fingerprint is never answered from
