@@ -157,6 +157,19 @@ def test_broker_stopped_and_crashed_mid_relay_loses_no_committed_event(
     )
 
 
+def _no_other_outbox_statement() -> bool:
+    """No other session is running a statement on the outbox table (PostgreSQL)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' "
+            "AND datname = current_database() AND pid <> pg_backend_pid() AND query ILIKE %s",
+            [f"%{OutboxEvent._meta.db_table}%"],
+        )
+        return int(cursor.fetchone()[0]) == 0
+
+
 def _commit_backlog(count: int, keys: int) -> set[str]:
     """``count`` committed events, half keyed over ``keys`` keys, fifty per transaction."""
     from django.db import transaction
@@ -226,6 +239,10 @@ def test_relay_sigkilled_mid_batch_is_taken_over_by_its_lock_or_after_its_lease(
                 wait_until(caught, timeout=30, what="a batch in flight", every=0.001)
                 first.kill()
                 killed_at = time.monotonic()
+                # A statement the relay sent just before it died still runs, and commits: an
+                # acknowledgement read as not yet made would look like a batch sent again by
+                # its successor before the lease ran out. Read the batch once it has settled.
+                wait_until(_no_other_outbox_statement, timeout=10, what="the last statement")
                 orphans = dict(claimed.values_list("pk", "locked_until"))
                 sent_unacked = depth() - published.count()
             finally:
