@@ -1,15 +1,20 @@
-"""The ``IDEMPOTENCY`` settings dict, merged over defaults and read live on every access.
+"""The ``IDEMPOTENCY`` settings dict, merged over defaults.
 
-Nothing is cached or bound at import, so ``override_settings(IDEMPOTENCY=...)`` just works.
+Each setting is parsed on first use and kept until the setting changes (``setting_changed``,
+which ``override_settings`` and pytest-django's ``settings`` fixture send, as for DRF's
+``api_settings``): the request path reads a dozen settings per request, and reading and
+parsing them again each time was a measurable share of a replay's CPU. Nothing is bound at
+import, so ``override_settings(IDEMPOTENCY=...)`` just works.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from django.conf import settings
+from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
 from django_idempotency.exceptions import IdempotencyConfigurationError
@@ -222,8 +227,40 @@ def import_setting(name: str, value: Any) -> Any:
         ) from exc
 
 
+T = TypeVar("T")
+
+
+class _setting(Generic[T]):  # noqa: N801 - used as a decorator, like property
+    """A setting, parsed on first use and kept until ``IDEMPOTENCY`` changes."""
+
+    def __init__(self, parse: Callable[[IdempotencySettings], T]) -> None:
+        self.parse = parse
+        self.name = parse.__name__
+        self.__doc__ = parse.__doc__
+
+    def __get__(self, instance: IdempotencySettings | None, owner: type) -> T:
+        if instance is None:
+            return self  # type: ignore[return-value]
+        parsed = instance.parsed
+        try:
+            value: T = parsed[self.name]
+        except KeyError:
+            # Not kept when parsing raises: the error is raised again on every use.
+            value = parsed[self.name] = self.parse(instance)
+        return value
+
+
 class IdempotencySettings:
-    """Live view of ``settings.IDEMPOTENCY``: each attribute reads the current value."""
+    """View of ``settings.IDEMPOTENCY``: each attribute is its value, parsed, over the default."""
+
+    def __init__(self) -> None:
+        #: The values parsed since the setting last changed.
+        self.parsed: dict[str, Any] = {}
+
+    def forget(self) -> None:
+        """Parse every setting again on its next use. A new dict rather than ``clear()``: a
+        thread parsing meanwhile stores its value in the old one."""
+        self.parsed = {}
 
     @property
     def user_settings(self) -> Mapping[str, Any]:
@@ -242,148 +279,148 @@ class IdempotencySettings:
     def integer(self, name: str) -> int:
         return parse_int(name, self.get(name))
 
-    @property
+    @_setting
     def HEADER(self) -> str:
         return str(self.get("HEADER"))
 
-    @property
+    @_setting
     def KEY_REQUIRED(self) -> bool:
         return self.boolean("KEY_REQUIRED")
 
-    @property
+    @_setting
     def LEASE_SECONDS(self) -> float:
         return self.number("LEASE_SECONDS")
 
-    @property
+    @_setting
     def TTL_SECONDS(self) -> float:
         return self.number("TTL_SECONDS")
 
-    @property
+    @_setting
     def SCOPE_RESOLVER(self) -> Callable[[Any], str]:
         resolver: Callable[[Any], str] = import_setting(
             "SCOPE_RESOLVER", self.get("SCOPE_RESOLVER")
         )
         return resolver
 
-    @property
+    @_setting
     def ANONYMOUS_SCOPE(self) -> str:
         return str(self.get("ANONYMOUS_SCOPE"))
 
-    @property
+    @_setting
     def STORED_STATUS_CODES(self) -> Collection[int]:
         codes: Collection[int] = self.get("STORED_STATUS_CODES")
         return codes
 
-    @property
+    @_setting
     def REPLAY_HEADER(self) -> str:
         return str(self.get("REPLAY_HEADER"))
 
-    @property
+    @_setting
     def STORED_RESPONSE_HEADERS(self) -> frozenset[str]:
         """Lower-cased allow-list, minus the headers that are never stored."""
         names = {str(name).lower() for name in self.get("STORED_RESPONSE_HEADERS")}
         return frozenset(names - SENSITIVE_HEADERS)
 
-    @property
+    @_setting
     def MAX_RESPONSE_BYTES(self) -> int:
         return self.integer("MAX_RESPONSE_BYTES")
 
-    @property
+    @_setting
     def LEASE_HEARTBEAT(self) -> bool:
         return self.boolean("LEASE_HEARTBEAT")
 
-    @property
+    @_setting
     def MIDDLEWARE_PATHS(self) -> tuple[str, ...]:
         return tuple(self.get("MIDDLEWARE_PATHS"))
 
-    @property
+    @_setting
     def MIDDLEWARE_METHODS(self) -> frozenset[str]:
         return frozenset(method.upper() for method in self.get("MIDDLEWARE_METHODS"))
 
-    @property
+    @_setting
     def ERROR_TYPE_BASE(self) -> str:
         return str(self.get("ERROR_TYPE_BASE"))
 
-    @property
+    @_setting
     def LOG_KEYS(self) -> bool:
         return self.boolean("LOG_KEYS")
 
-    @property
+    @_setting
     def ATTACH_DEFAULT_WAIT_SECONDS(self) -> float:
         return self.number("ATTACH_DEFAULT_WAIT_SECONDS")
 
-    @property
+    @_setting
     def ATTACH_MAX_WAIT_SECONDS(self) -> float:
         return self.number("ATTACH_MAX_WAIT_SECONDS")
 
-    @property
+    @_setting
     def HANDOFF_HOLD_SECONDS(self) -> float:
         return self.number("HANDOFF_HOLD_SECONDS")
 
-    @property
+    @_setting
     def ATTACH_MAX_WAITERS(self) -> int:
         return self.integer("ATTACH_MAX_WAITERS")
 
-    @property
+    @_setting
     def ATTACH_POLL_SECONDS(self) -> float:
         return self.number("ATTACH_POLL_SECONDS")
 
-    @property
+    @_setting
     def CREDENTIAL_HEADERS(self) -> tuple[str, ...]:
         return parse_header_names("CREDENTIAL_HEADERS", self.get("CREDENTIAL_HEADERS"))
 
-    @property
+    @_setting
     def CREDENTIAL_SCOPE(self) -> Literal["digest", "refuse"]:
         return parse_credential_scope(self.get("CREDENTIAL_SCOPE"))
 
-    @property
+    @_setting
     def CACHE_ALIAS(self) -> str | None:
         alias = self.get("CACHE_ALIAS")
         return None if alias is None else str(alias)
 
-    @property
+    @_setting
     def CACHE_RETRY_SECONDS(self) -> float:
         return self.number("CACHE_RETRY_SECONDS")
 
-    @property
+    @_setting
     def LOCAL_REPLAY_SECONDS(self) -> float:
         return self.number("LOCAL_REPLAY_SECONDS")
 
-    @property
+    @_setting
     def LOCAL_REPLAY_ENTRIES(self) -> int:
         return self.integer("LOCAL_REPLAY_ENTRIES")
 
-    @property
+    @_setting
     def TAKE_OVER_DEAD_OWNERS(self) -> bool:
         return self.boolean("TAKE_OVER_DEAD_OWNERS")
 
-    @property
+    @_setting
     def PREPARED_STATEMENTS(self) -> bool:
         return self.boolean("PREPARED_STATEMENTS")
 
-    @property
+    @_setting
     def REGISTER_ADMIN(self) -> bool:
         return self.boolean("REGISTER_ADMIN")
 
-    @property
+    @_setting
     def METRICS(self) -> bool:
         return self.boolean("METRICS")
 
-    @property
+    @_setting
     def TRACING(self) -> bool:
         return self.boolean("TRACING")
 
-    @property
+    @_setting
     def OUTBOX_PUBLISHERS(self) -> Mapping[str, Any]:
         """Topic pattern -> a dotted path, or ``{"BACKEND": path, "OPTIONS": {...}}``."""
         routes: Mapping[str, Any] = self.get("OUTBOX_PUBLISHERS")
         return routes
 
-    @property
+    @_setting
     def OUTBOX_REQUIRE_ATOMIC(self) -> bool:
         return self.boolean("OUTBOX_REQUIRE_ATOMIC")
 
-    @property
+    @_setting
     def OUTBOX_KICK(self) -> Callable[[str], None] | None:
         value = self.get("OUTBOX_KICK")
         if value is None:
@@ -391,65 +428,73 @@ class IdempotencySettings:
         kick: Callable[[str], None] = import_setting("OUTBOX_KICK", value)
         return kick
 
-    @property
+    @_setting
     def OUTBOX_NOTIFY(self) -> bool:
         return self.boolean("OUTBOX_NOTIFY")
 
-    @property
+    @_setting
     def OUTBOX_BATCH_SIZE(self) -> int:
         return self.integer("OUTBOX_BATCH_SIZE")
 
-    @property
+    @_setting
     def OUTBOX_RELAY_LEASE_SECONDS(self) -> float:
         return self.number("OUTBOX_RELAY_LEASE_SECONDS")
 
-    @property
+    @_setting
     def OUTBOX_MAX_ATTEMPTS(self) -> int:
         return self.integer("OUTBOX_MAX_ATTEMPTS")
 
-    @property
+    @_setting
     def OUTBOX_BACKOFF_BASE_SECONDS(self) -> float:
         return self.number("OUTBOX_BACKOFF_BASE_SECONDS")
 
-    @property
+    @_setting
     def OUTBOX_BACKOFF_MAX_SECONDS(self) -> float:
         return self.number("OUTBOX_BACKOFF_MAX_SECONDS")
 
-    @property
+    @_setting
     def OUTBOX_POLL_SECONDS(self) -> float:
         return self.number("OUTBOX_POLL_SECONDS")
 
-    @property
+    @_setting
     def OUTBOX_RETENTION_SECONDS(self) -> float:
         return self.number("OUTBOX_RETENTION_SECONDS")
 
-    @property
+    @_setting
     def INBOX_RETENTION_SECONDS(self) -> float:
         return self.number("INBOX_RETENTION_SECONDS")
 
-    @property
+    @_setting
     def SWEEP_BATCH_SIZE(self) -> int:
         return self.integer("SWEEP_BATCH_SIZE")
 
-    @property
+    @_setting
     def RECORD_PARTITIONS(self) -> bool:
         return self.boolean("RECORD_PARTITIONS")
 
-    @property
+    @_setting
     def OUTBOX_PARTITIONS(self) -> bool:
         return self.boolean("OUTBOX_PARTITIONS")
 
-    @property
+    @_setting
     def INBOX_PARTITIONS(self) -> bool:
         return self.boolean("INBOX_PARTITIONS")
 
-    @property
+    @_setting
     def PARTITION_SPAN_DAYS(self) -> int:
         return self.integer("PARTITION_SPAN_DAYS")
 
-    @property
+    @_setting
     def PARTITION_AHEAD_DAYS(self) -> int:
         return self.integer("PARTITION_AHEAD_DAYS")
 
 
 conf = IdempotencySettings()
+
+
+def _setting_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting == "IDEMPOTENCY":
+        conf.forget()
+
+
+setting_changed.connect(_setting_changed, dispatch_uid="django_idempotency.conf")

@@ -8,6 +8,7 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
+from django_idempotency import conf as conf_module
 from django_idempotency.conf import DEFAULTS, conf
 from django_idempotency.exceptions import IdempotencyConfigurationError
 
@@ -29,6 +30,33 @@ def test_settings_are_read_live():
         with override_settings(IDEMPOTENCY={"LEASE_SECONDS": 7}):
             assert conf.LEASE_SECONDS == 7
         assert conf.LEASE_SECONDS == 5
+
+
+def test_a_setting_is_parsed_once_until_it_changes(monkeypatch):
+    parses: list[str] = []
+    real = conf_module.import_setting
+
+    def counting(name, value):
+        parses.append(name)
+        return real(name, value)
+
+    monkeypatch.setattr(conf_module, "import_setting", counting)
+    resolver = "django_idempotency.request.scopes.user_scope"
+    with override_settings(IDEMPOTENCY={"SCOPE_RESOLVER": resolver}):
+        first = conf.SCOPE_RESOLVER
+        assert conf.SCOPE_RESOLVER is first
+        assert parses == ["SCOPE_RESOLVER"]
+        with override_settings(IDEMPOTENCY={"SCOPE_RESOLVER": "django_idempotency.request"}):
+            assert conf.SCOPE_RESOLVER is not first  # a new value is parsed anew
+        assert conf.SCOPE_RESOLVER is first  # and the old one again once restored
+    assert parses == ["SCOPE_RESOLVER"] * 3
+
+
+def test_a_setting_that_cannot_be_parsed_fails_on_every_read():
+    with override_settings(IDEMPOTENCY={"LEASE_SECONDS": "soon"}):
+        for _ in range(2):
+            with pytest.raises(IdempotencyConfigurationError):
+                conf.LEASE_SECONDS  # noqa: B018
 
 
 def test_sensitive_headers_are_never_in_the_allow_list():

@@ -6,18 +6,28 @@ bare token. Both spellings of the same characters name the same record.
 
 from __future__ import annotations
 
+from typing import Any
+
+from django.http.request import HttpHeaders
 from django.utils.crypto import salted_hmac
 
 from django_idempotency.core.types import MAX_KEY_LENGTH
 from django_idempotency.exceptions import IdempotencyKeyInvalid
 
-__all__ = ["MAX_KEY_LENGTH", "parse_key", "redact"]
+__all__ = ["MAX_KEY_LENGTH", "header", "parse_key", "redact"]
 
 
 _BARE_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F)) - {",", '"', "\\"}
 _QUOTED_CHARS = frozenset(chr(c) for c in range(0x20, 0x7F))
 #: Keeps :func:`redact`'s HMAC apart from every other use of SECRET_KEY.
 _REDACT_SALT = "django_idempotency.request.keys.redact"
+
+
+def header(request: Any, name: str) -> str | None:
+    """One request header, read from ``META`` (WSGI and ASGI alike): ``request.headers`` would
+    build a dict of every header the request sent, on every request, to read one."""
+    value: str | None = request.META.get(HttpHeaders.to_wsgi_name(name))
+    return value
 
 
 def parse_key(raw: str) -> str:

@@ -75,7 +75,7 @@ from django_idempotency.request.fingerprint import (
     request_fingerprint,
 )
 from django_idempotency.request.heartbeat import LeaseHeartbeat
-from django_idempotency.request.keys import parse_key
+from django_idempotency.request.keys import header, parse_key
 from django_idempotency.request.responses import capture, problem_response
 from django_idempotency.request.responses import replay as replay_response
 from django_idempotency.request.scopes import resolve_scope
@@ -184,7 +184,7 @@ def guards(request: HttpRequest, options: Options) -> bool:
 def read_key(request: HttpRequest, *, required: bool = False) -> str | None:
     """The request's key; ``None`` when it sent none and none is required (``required`` or
     ``KEY_REQUIRED``; 400s otherwise)."""
-    raw = request.headers.get(conf.HEADER)
+    raw = header(request, conf.HEADER)
     if raw is None:
         if required or conf.KEY_REQUIRED:
             raise IdempotencyKeyMissing(f"This endpoint requires an {conf.HEADER} header.")
@@ -640,7 +640,7 @@ async def serve_async(
     thread (:func:`_serve_from_loop`).
     """
     if not guards(request, options) or (
-        conf.HEADER not in request.headers and not conf.KEY_REQUIRED
+        header(request, conf.HEADER) is None and not conf.KEY_REQUIRED
     ):
         return await call_view()
     return await _serve_from_loop(request, async_to_sync(call_view), options, view)

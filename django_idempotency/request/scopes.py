@@ -19,6 +19,7 @@ from django.utils.crypto import salted_hmac
 from django_idempotency.conf import conf
 from django_idempotency.core.types import MAX_SCOPE_LENGTH
 from django_idempotency.exceptions import CredentialsNotScoped
+from django_idempotency.request.keys import header
 
 __all__ = ["MAX_SCOPE_LENGTH", "resolve_scope", "user_scope"]
 
@@ -32,7 +33,7 @@ def user_scope(request: Any) -> str:
     user = getattr(request, "user", None)
     if user is not None and user.is_authenticated:
         return f"user:{user.pk}"
-    credentials = [request.headers.get(name, "") for name in conf.CREDENTIAL_HEADERS]
+    credentials = [header(request, name) or "" for name in conf.CREDENTIAL_HEADERS]
     if any(credentials):
         if conf.CREDENTIAL_SCOPE == "refuse":
             raise CredentialsNotScoped()

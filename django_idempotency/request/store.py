@@ -385,7 +385,11 @@ def _converters(using: str) -> list[tuple[Any, list[Any]]]:
 
 
 @functools.cache
+@functools.cache
 def _concrete_names() -> tuple[str, ...]:
+    """The record's fields in column order: what the claim statement returns, and in what order
+    (known from its text, so never read from ``cursor.description``, which builds a column
+    object with its type looked up for every column of every claim)."""
     return tuple(field.attname for field in IdempotencyRecord._meta.concrete_fields)
 
 
@@ -412,8 +416,7 @@ def _claim_postgresql(
         statement = _postgresql_claim_text(using, owner_lock, not connection.in_atomic_block)
         cursor.execute(statement, params)
         row = cursor.fetchone()
-        names = [column.name for column in cursor.description or ()]
-    return _claimed_or_judged(identity, using, owner_token, terms, row, names)
+    return _claimed_or_judged(identity, using, owner_token, terms, row)
 
 
 def _claim_partitioned(
@@ -438,7 +441,6 @@ def _claim_partitioned(
                 call = _postgresql_claim_text(using, owner_lock, False, partitioned=True)
             cursor.execute(call, params)
             row = cursor.fetchone()
-            names = [column.name for column in cursor.description or ()]
     except IntegrityError as exc:
         if "no partition of relation" in str(exc):
             raise PartitionMissing(
@@ -448,7 +450,7 @@ def _claim_partitioned(
                 f"maintain_record_partitions task) daily."
             ) from exc
         raise
-    return _claimed_or_judged(identity, using, owner_token, terms, row, names)
+    return _claimed_or_judged(identity, using, owner_token, terms, row)
 
 
 #: The claim functions known to exist, per database connection (the driver's connection: a new
@@ -553,13 +555,14 @@ def _claimed_or_judged(
     owner_token: uuid.UUID,
     terms: _Terms,
     row: Any,
-    names: list[str],
 ) -> Decision | None:
-    """The claim statement's row: the lease it won, or the state machine's decision on it."""
+    """The claim statement's row (the record's columns, then whether it claimed, the database's
+    time and whether it took the owner lock): the lease it won, or the state machine's decision
+    on it."""
     if row is None:
         return None
     *columns, claimed, now, held = row
-    record = IdempotencyRecord.from_db(using, names[:-3], columns)
+    record = IdempotencyRecord.from_db(using, _concrete_names(), columns)
     if claimed:
         assert record.lease_expires_at is not None  # a claimed record always has a lease
         lease = terms.lease_for(
