@@ -457,6 +457,44 @@ def test_a_failing_handler_rolls_back_naks_and_runs_again(jetstream: Stream) -> 
     assert marker.message_id == f"{jetstream.name}:1"  # no Nats-Msg-Id: stream and sequence
 
 
+def test_every_fetch_timeout_nats_py_raises_is_an_empty_batch() -> None:
+    """nats-py 2.15+ raises a bare asyncio.TimeoutError when the server's 408 for its no-wait
+    probe lands as the fetch's deadline passes (about one empty fetch in 25 here), where older
+    releases raised nats.errors.TimeoutError; the consumer must go on after any of them."""
+    timeouts: list[BaseException] = [
+        nats.errors.TimeoutError(),
+        nats.js.errors.FetchTimeoutError(),
+        TimeoutError(),  # asyncio.TimeoutError, as fetch() raises it bare
+    ]
+    stop = asyncio.Event()
+    fetched: list[tuple[int, float]] = []
+
+    class Subscription:
+        async def fetch(self, batch: int, timeout: float) -> list[Any]:
+            fetched.append((batch, timeout))
+            if timeouts:
+                raise timeouts.pop(0)
+            stop.set()
+            return []
+
+    def never(msg: Any) -> None:
+        raise AssertionError("no message was fetched")
+
+    run(
+        run_pull_consumer(
+            Subscription(), never, consumer="ledger", batch=3, fetch_timeout=0.5, stop=stop
+        )
+    )
+    assert fetched == [(3, 0.5)] * 4
+
+    class Closed:
+        async def fetch(self, batch: int, timeout: float) -> list[Any]:
+            raise nats.errors.ConnectionClosedError
+
+    with pytest.raises(nats.errors.ConnectionClosedError):  # not a timeout: not swallowed
+        run(run_pull_consumer(Closed(), never, consumer="ledger"))
+
+
 def test_message_id_prefers_the_nats_msg_id_header() -> None:
     class Msg:
         headers = {"Nats-Msg-Id": "evt-1"}

@@ -103,14 +103,17 @@ async def run_pull_consumer(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Fetch from a JetStream pull ``subscription`` and :func:`handle_once` each message, until
-    ``stop`` is set. A handler's error is logged and the loop goes on (the message was nak'ed)."""
-    from nats.errors import TimeoutError as FetchTimeout
-
+    ``stop`` is set. A handler's error is logged and the loop goes on (the message was nak'ed).
+    A fetch that times out is an empty batch."""
     stop = stop or asyncio.Event()
     while not stop.is_set():
         try:
             messages = await subscription.fetch(batch, timeout=fetch_timeout)
-        except FetchTimeout:
+        except TimeoutError:
+            # Every way nats-py says "nothing arrived in time": its TimeoutError and
+            # FetchTimeoutError subclass asyncio.TimeoutError (the builtin since Python 3.11),
+            # and since 2.15 fetch() also raises a bare asyncio.TimeoutError when the server's
+            # 408 for the no-wait probe arrives as the deadline passes.
             continue
         for msg in messages:
             try:

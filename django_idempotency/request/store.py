@@ -408,7 +408,7 @@ def _claim_postgresql(
 ) -> Decision | None:
     """One statement (``db/postgresql.py``): claimed, or the row and the time to judge it by."""
     connection = connections[using]
-    params = _claim_params(identity, using, owner_token, terms)
+    params = _claim_params(identity, owner_token, terms)
     owner_lock = presence.enabled(using)
     # A plain cursor rather than .raw(): this runs on every write request, and building the row
     # by hand costs a fraction of RawQuerySet's column resolution.
@@ -431,7 +431,7 @@ def _claim_partitioned(
     written nothing: there is no default partition for it to land in unseen.
     """
     connection = connections[using]
-    params = _claim_params(identity, using, owner_token, terms)
+    params = _claim_params(identity, owner_token, terms)
     owner_lock, own_transaction = presence.enabled(using), not connection.in_atomic_block
     call = _claim_function(using, owner_lock, own_transaction)
     try:
@@ -528,20 +528,19 @@ def _claim_function_text(
     return ddl, call, name
 
 
-def _claim_params(
-    identity: Identity, using: str, owner_token: uuid.UUID, terms: _Terms
-) -> dict[str, Any]:
-    connection = connections[using]
-    values: dict[str, Any] = {
+def _claim_params(identity: Identity, owner_token: uuid.UUID, terms: _Terms) -> dict[str, Any]:
+    """The claim statement's parameters.
+
+    PostgreSQL only: its driver takes these as they are (text, and the owner token as a native
+    uuid), so the fields' get_db_prep_save, which would return each value unchanged, is skipped.
+    """
+    params: dict[str, Any] = {
         "scope": identity.scope,
         "key": identity.key,
         "fingerprint": identity.fingerprint,
         "owner_token": owner_token,
         "method": identity.method,
         "path": identity.path,
-    }
-    params = {
-        name: _field(name).get_db_prep_save(value, connection) for name, value in values.items()
     }
     params["lease_seconds"] = terms.lease_seconds
     params["expiry_seconds"] = terms.lease_seconds + terms.ttl_seconds
