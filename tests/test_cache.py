@@ -105,24 +105,35 @@ def run_to_completion(decision: Decision, body: bytes = b"done") -> None:
     lifecycle.run(decision.lease, lambda: HttpResponse(body, status=201))
 
 
+def complete_and_retry(retried: Identity) -> None:
+    """Complete a key, then replay it once from the database, which copies it to Redis."""
+    run_to_completion(lifecycle.claim(retried))
+    assert isinstance(lifecycle.claim(retried), Replay)
+
+
 # --- replays without the database ---------------------------------------------------------------
 
 
 def test_replay_is_served_from_redis_without_a_query(redis, client, key, django_assert_num_queries):
     first = post(client, key)
     assert first.status_code == 201, first.content
+    # Copied at the first replay, not at the completion: a key never retried costs Redis nothing.
+    assert entry(redis, "anonymous", key) is None
+    with django_assert_num_queries(1):  # the first replay: the database, then the copy
+        second = post(client, key)
     assert entry(redis, "anonymous", key).startswith(b"C")
     with django_assert_num_queries(0):
-        second = post(client, key)
-    assert second.status_code == 201
-    assert second["Idempotent-Replay"] == "true"
-    assert second.content == first.content
-    assert second["Location"] == first["Location"]
+        third = post(client, key)
+    for replay in (second, third):
+        assert replay.status_code == 201
+        assert replay["Idempotent-Replay"] == "true"
+        assert replay.content == first.content
+        assert replay["Location"] == first["Location"]
     assert Widget.objects.count() == 1
 
 
 def test_copy_expires_no_later_than_the_record(redis, key):
-    run_to_completion(lifecycle.claim(identity(key)))
+    complete_and_retry(identity(key))
     copy_ms = redis.pttl(cache.redis_key("tenant", key))
     record = IdempotencyRecord.objects.get(key=key)
     assert 0 < copy_ms <= 86_400_000
@@ -179,7 +190,7 @@ def test_scope_and_key_cannot_collide_in_the_redis_name():
 def test_one_scopes_copies_are_found_by_the_scope_digest(redis, key):
     """How an operator finds every copy of one scope (docs/redis.md): ``SCAN`` on its digest."""
     for scope, suffix in [("tenant-a", "1"), ("tenant-a", "2"), ("tenant-b", "1")]:
-        run_to_completion(lifecycle.claim(identity(f"{key}-{suffix}", scope=scope)))
+        complete_and_retry(identity(f"{key}-{suffix}", scope=scope))
     digest = cache.hash_tag("tenant-a", "").partition(":")[0]
     found = {name.decode() for name in redis.scan_iter(f"*idem:{{{digest}:*}}:{key}-*")}
     assert found == {cache.redis_key("tenant-a", f"{key}-{n}") for n in (1, 2)}
@@ -231,6 +242,7 @@ def test_failed_request_leaves_nothing_in_redis_and_a_retry_runs_at_once(redis, 
 
 def test_admin_release_removes_the_stale_redis_copy(redis, client, key):
     assert post(client, key, name="a").status_code == 201
+    assert post(client, key, name="a")["Idempotent-Replay"] == "true"  # copied to Redis
     assert entry(redis, "anonymous", key) is not None
     # What the admin's release action does: delete the rows, then announce it.
     IdempotencyRecord.objects.filter(scope="anonymous", key=key).delete()
@@ -324,6 +336,7 @@ def test_redis_stopped_and_restarted_between_requests(
     idempotency_settings(CACHE_RETRY_SECONDS=0)  # try Redis on every request: no resting
     first = post(client, "before")
     assert first.status_code == 201
+    assert post(client, "before")["Idempotent-Replay"] == "true"  # from the database, copied
     with django_assert_num_queries(0):
         assert post(client, "before")["Idempotent-Replay"] == "true"
 
@@ -340,6 +353,7 @@ def test_redis_stopped_and_restarted_between_requests(
 
     private_redis.start()
     assert post(client, "after").status_code == 201
+    assert post(client, "after")["Idempotent-Replay"] == "true"
     with django_assert_num_queries(0):
         assert post(client, "after")["Idempotent-Replay"] == "true"
     assert Widget.objects.count() == 3
@@ -388,7 +402,7 @@ def test_after_a_redis_error_the_process_rests_then_tries_redis_again(
     private_redis.stop()
     failed_at = time.monotonic()
     assert post(client, "first").status_code == 201
-    # Resting: the completion's copy and every later request leave Redis alone.
+    # Resting: the replay's copy and every later request leave Redis alone.
     assert post(client, "second").status_code == 201
     assert post(client, "second")["Idempotent-Replay"] == "true"
     assert time.monotonic() - failed_at < pause, "the machine was too slow to see the rest"
@@ -397,6 +411,7 @@ def test_after_a_redis_error_the_process_rests_then_tries_redis_again(
     private_redis.start()
     time.sleep(max(0.0, pause - (time.monotonic() - failed_at)) + 0.1)
     assert post(client, "third").status_code == 201
+    assert post(client, "third")["Idempotent-Replay"] == "true"
     with django_assert_num_queries(0):
         assert post(client, "third")["Idempotent-Replay"] == "true"
     assert len(failures) == 1

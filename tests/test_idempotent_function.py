@@ -617,6 +617,8 @@ def test_with_the_redis_fast_path_a_repeat_is_replayed_without_a_query(
 
         assert cached(1) == {"n": 1}
         copy = cache.redis_key(scope_of(cached), "1")
+        assert client.pttl(copy) < 0  # no copy until the first repeat
+        assert cached(1) == {"n": 1}  # from the database, then copied to Redis
         assert 0 < client.pttl(copy) <= 600_000  # the copy expires with the function's TTL
         with django_assert_num_queries(0):
             assert cached(1) == {"n": 1}

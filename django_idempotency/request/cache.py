@@ -1,7 +1,8 @@
 """The optional Redis copy of completed responses (``IDEMPOTENCY["CACHE_ALIAS"]``).
 
 Redis only ever holds what the database has already committed: a copy of a completed response,
-written after the completing transaction commits and expiring with the record. A retry with the
+written when the database first replays it (most keys are never retried, and pay no Redis write)
+and expiring with the record. A retry with the
 same scope (part of the Redis key) and the same fingerprint (stored in the copy) is answered
 from it without a query; anything else, including a missing or unreadable copy, asks the
 database. So Redis can make an answer cheaper but can never decide one: there is no in-flight
@@ -132,8 +133,11 @@ def lookup(identity: Identity) -> Replay | None:
     return _decode(bytes(value), identity.fingerprint)
 
 
-def remember(identity: Identity, stored: StoredResponse, ttl_seconds: float) -> None:
-    """Copy a committed response, to expire ``ttl_seconds`` from now (the record's TTL)."""
+def remember(identity: Identity, stored: StoredResponse, ttl_seconds: float | None) -> None:
+    """Copy a committed response, to expire ``ttl_seconds`` from now (the record's TTL; not
+    copied when that is unknown)."""
+    if ttl_seconds is None:
+        return
     milliseconds = int(ttl_seconds * 1000)
     if not _in_use() or milliseconds <= 0:
         return

@@ -286,6 +286,11 @@ def claim(
                 identity, "idempotency claim failed: database unavailable", exc
             )
             raise StoreUnavailable() from exc
+        if isinstance(decision, Replay) and not decision.handed_off:
+            # A key retried once is likely retried again: its next retries come from Redis.
+            # Copied here, at its first replay, not at its completion: most keys are never
+            # retried, and their requests then pay no Redis write and take no Redis memory.
+            cache.remember(identity, decision.response, decision.expires_in)
     if kept is None and isinstance(decision, Replay) and not decision.handed_off:
         recent.remember(identity, decision.response, decision.expires_in)
     events.announce(identity, decision)
@@ -389,14 +394,12 @@ def run(
 
 
 def remember_completion(lease: Lease, stored: StoredResponse, completed_at: float) -> None:
-    """Announce a completion just committed (``completed_at``, monotonic), and keep its copies:
-    in this process's memory (``LOCAL_REPLAY_SECONDS``) and in Redis."""
+    """Announce a completion just committed (``completed_at``, monotonic), and keep it in this
+    process's memory (``LOCAL_REPLAY_SECONDS``). Redis gets its copy at the first replay."""
     events.completed(lease, stored)
-    # The copies expire with the record, which was given its TTL at the commit just done.
+    # The copy expires with the record, which was given its TTL at the commit just done.
     ttl = (lease.ttl_seconds or conf.TTL_SECONDS) - (time.monotonic() - completed_at)
     recent.remember(lease.identity, stored, ttl)
-    if cache.enabled():
-        cache.remember(lease.identity, stored, ttl)
 
 
 @events.instrumented("complete")
