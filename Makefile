@@ -167,9 +167,10 @@ $(BENCH_VENV)/.installed: pyproject.toml benchmarks/requirements.txt
 	$(BENCH_VENV)/bin/pip install $(PIP_FLAGS) -r benchmarks/requirements.txt
 	touch $@
 
-## bench: the HTTP benchmark against the peers, the in-process microbenchmark, the Bloom filter's case, attached duplicates' latency
+## bench: the HTTP benchmark against the peers, Python calls per request on each path, the in-process microbenchmark, the Bloom filter's case, attached duplicates' latency
 bench: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python -m benchmarks.run $(BENCH_ARGS)
+	$(BENCH_VENV)/bin/python -m benchmarks.calls
 	$(BENCH_VENV)/bin/python -m benchmarks.micro
 	$(BENCH_VENV)/bin/python -m benchmarks.bloom
 	$(BENCH_VENV)/bin/python -m benchmarks.attach_latency
@@ -177,6 +178,7 @@ bench: $(BENCH_VENV)/.installed
 ## bench-smoke: every benchmark row with a few requests; fails on any error
 bench-smoke: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python -m benchmarks.run --smoke --output artifacts/bench-smoke.json
+	$(BENCH_VENV)/bin/python -m benchmarks.calls --smoke --output artifacts/calls-smoke.json
 	$(BENCH_VENV)/bin/python -m benchmarks.micro --smoke
 	$(BENCH_VENV)/bin/python -m benchmarks.bloom --smoke
 	$(BENCH_VENV)/bin/python -m benchmarks.attach_latency --smoke

@@ -1,0 +1,233 @@
+"""Per-request profile: Python calls and CPU of each path, in process, through the whole stack.
+
+The lightest create endpoint of the HTTP benchmark (``benchproject/notes``) is called through
+Django's WSGI handler, in one process, on PostgreSQL: the plain create, a first-time key, a replay
+and the bare GET (the ceiling), for ours on the database, with the Redis copy and with answers
+kept in memory, and for the peers. Per path it prints the Python function calls per request
+(``cProfile``; a count, so the same on a busy machine as on an idle one) and the thread CPU per
+request. The calls are what a change to the request path is judged by between two runs of
+``make bench``; the HTTP rows say what they are worth.
+
+Each variant runs in a fresh subprocess (Django's settings are per process).
+
+    python -m benchmarks.calls [--requests 300] [--smoke] [--dump first]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DATABASE_URL = os.environ.get(
+    "BENCH_CALLS_URL", "postgres://postgres@127.0.0.1:5432/idem_speed_calls"
+)
+#: Variant (``benchproject/settings.py``) -> what the table calls it.
+VARIANTS = {
+    "ours": "ours, database",
+    "ours-redis": "ours, Redis",
+    "ours-memory": "ours, kept in memory",
+    "drfi-db": "drf-idempotency, database",
+    "drfi-redis": "drf-idempotency, Redis",
+    "dik": "django-idempotency-key, Redis",
+}
+PATHS = ("plain", "first", "replay", "get")
+#: Paths a variant cannot serve: django-idempotency-key's middleware refuses any POST without a
+#: key, the plain create included.
+SKIPPED = {("dik", "plain")}
+NOTE = json.dumps({"title": "bench", "body": "a note", "done": False}).encode()
+#: Distinct keys the replay path cycles over, each completed before the count.
+REPLAY_KEYS = 50
+
+
+def environ(method: str, path: str, body: bytes = b"", key: str | None = None) -> dict[str, Any]:
+    """A WSGI environ as gunicorn would build it for wrk's request."""
+    request: dict[str, Any] = {
+        "REQUEST_METHOD": method,
+        "PATH_INFO": path,
+        "SERVER_NAME": "127.0.0.1",
+        "SERVER_PORT": "8000",
+        "SERVER_PROTOCOL": "HTTP/1.1",
+        "HTTP_HOST": "127.0.0.1:8000",
+        "HTTP_ACCEPT": "*/*",
+        "CONTENT_TYPE": "application/json",
+        "CONTENT_LENGTH": str(len(body)),
+        "wsgi.input": io.BytesIO(body),
+        "wsgi.url_scheme": "http",
+        "wsgi.errors": sys.stderr,
+    }
+    if key is not None:
+        request["HTTP_IDEMPOTENCY_KEY"] = key
+    return request
+
+
+def child(variant: str, requests: int, dump: str | None) -> None:
+    """Runs in the subprocess: set Django up for ``variant`` and print the measurements."""
+    import django
+
+    django.setup()
+    from django.contrib.auth import get_user_model
+    from django.core.handlers.wsgi import WSGIHandler
+
+    get_user_model().objects.get_or_create(username="bench")
+    app = WSGIHandler()
+
+    def call(request: dict[str, Any]) -> str:
+        statuses: list[str] = []
+        chunks = app(request, lambda status, headers, *rest: statuses.append(status))
+        b"".join(chunks)
+        chunks.close()
+        return statuses[0]
+
+    prefix = uuid.uuid4().hex[:8]
+    replay_keys = [f"r-{prefix}-{number}" for number in range(REPLAY_KEYS)]
+    counter = iter(range(10**9))
+
+    def first() -> dict[str, Any]:
+        return environ("POST", "/api/v1/notes/", NOTE, f"f-{prefix}-{next(counter)}")
+
+    def replay() -> dict[str, Any]:
+        return environ("POST", "/api/v1/notes/", NOTE, replay_keys[next(counter) % REPLAY_KEYS])
+
+    makers: dict[str, Callable[[], dict[str, Any]]] = {
+        "plain": lambda: environ("POST", "/plain/notes/", NOTE),
+        "first": first,
+        "replay": replay,
+        "get": lambda: environ("GET", "/get/"),
+    }
+    expected = {"plain": "201", "first": "201", "replay": "201", "get": "200"}
+    for key in replay_keys:
+        for _ in range(2):  # completed, then replayed once (which copies it to Redis)
+            call(environ("POST", "/api/v1/notes/", NOTE, key))
+    results: dict[str, Any] = {}
+    for path, make in makers.items():
+        if (variant, path) in SKIPPED:
+            continue
+        for _ in range(30):  # warm: connections, prepared statements, caches
+            call(make())
+        timed = [make() for _ in range(requests)]
+        started = time.thread_time()
+        statuses = {call(request) for request in timed}
+        cpu_ms = (time.thread_time() - started) / requests * 1000
+        profiled = [make() for _ in range(requests)]
+        profile = cProfile.Profile()
+        profile.enable()
+        for request in profiled:
+            call(request)
+        profile.disable()
+        stats = pstats.Stats(profile)
+        results[path] = {
+            "calls": stats.total_calls / requests,  # type: ignore[attr-defined]
+            "cpu_ms": cpu_ms,
+            "ok": all(status.startswith(expected[path]) for status in statuses),
+            "statuses": sorted(statuses),
+        }
+        if dump == path:
+            stats.sort_stats("cumulative").print_stats(50)
+    print("CALLS_RESULT " + json.dumps({"variant": variant, **results}))
+
+
+def run_variant(variant: str, requests: int, dump: str | None) -> dict[str, Any] | None:
+    env = {
+        **os.environ,
+        "BENCH_VARIANT": variant,
+        "BENCH_DATABASE_URL": DATABASE_URL,
+        "DJANGO_SETTINGS_MODULE": "benchmarks.benchproject.settings",
+        "PYTHONPATH": str(ROOT),
+    }
+    command = [sys.executable, "-m", "benchmarks.calls", "--child", variant]
+    command += ["--requests", str(requests)] + (["--dump", dump] if dump else [])
+    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    for line in completed.stdout.splitlines():
+        if line.startswith("CALLS_RESULT "):
+            result: dict[str, Any] = json.loads(line.removeprefix("CALLS_RESULT "))
+            return result
+        if dump:
+            print(line)
+    print(f"{variant}: failed\n{completed.stdout[-2000:]}\n{completed.stderr[-4000:]}")
+    return None
+
+
+def migrate() -> None:
+    """Create the database if needed and migrate every variant's apps."""
+    import psycopg
+
+    name = DATABASE_URL.rsplit("/", 1)[1]
+    with psycopg.connect(DATABASE_URL.rsplit("/", 1)[0] + "/postgres", autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+            conn.execute(f'CREATE DATABASE "{name}"')
+    env = {
+        **os.environ,
+        "BENCH_VARIANT": "all",
+        "BENCH_DATABASE_URL": DATABASE_URL,
+        "DJANGO_SETTINGS_MODULE": "benchmarks.benchproject.settings",
+        "PYTHONPATH": str(ROOT),
+    }
+    command = [sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"]
+    subprocess.run(command, cwd=ROOT, env=env, check=True)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| variant | plain create | first-time | replay | bare GET | first-time CPU ms "
+        "(plain) | replay CPU ms (GET) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for result in results:
+
+        def cell(path: str, what: str, form: str, result: dict[str, Any] = result) -> str:
+            return format(result[path][what], form) if path in result else "–"
+
+        lines.append(
+            f"| {VARIANTS[result['variant']]} | "
+            + " | ".join(cell(path, "calls", ",.0f") for path in PATHS)
+            + f" | {cell('first', 'cpu_ms', '.2f')} ({cell('plain', 'cpu_ms', '.2f')})"
+            + f" | {cell('replay', 'cpu_ms', '.2f')} ({cell('get', 'cpu_ms', '.2f')}) |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--smoke", action="store_true", help="a few requests; fail on errors")
+    parser.add_argument("--dump", choices=PATHS, help="print the profile of this path")
+    parser.add_argument("--variant", choices=list(VARIANTS), action="append")
+    parser.add_argument("--output", type=Path, default=ROOT / "artifacts" / "calls.json")
+    parser.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke:
+        args.requests = 5
+    if args.child:
+        child(args.child, args.requests, args.dump)
+        return 0
+    migrate()
+    results = [
+        result
+        for variant in args.variant or list(VARIANTS)
+        if (result := run_variant(variant, args.requests, args.dump)) is not None
+    ]
+    print("Python calls per request, lightest create endpoint, in process (PostgreSQL):")
+    print(table(results))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
+    failed = [r["variant"] for r in results if not all(r[p]["ok"] for p in PATHS if p in r)]
+    if failed or len(results) < len(args.variant or VARIANTS):
+        print(f"failed or answered unexpectedly: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
