@@ -132,6 +132,25 @@ def test_replay_is_served_from_redis_without_a_query(redis, client, key, django_
     assert Widget.objects.count() == 1
 
 
+def test_one_redis_command_before_the_view_and_none_after_it(redis, client, key, monkeypatch):
+    """First time: a GET, then nothing after the commit. The first replay: a GET, the database's
+    answer, then the copy (SET). Every later replay: a GET."""
+    sent: list[str] = []
+    send = redis.execute_command
+
+    def recording(*args: Any, **options: Any) -> Any:
+        sent.append(str(args[0]))
+        return send(*args, **options)
+
+    monkeypatch.setattr(redis, "execute_command", recording)
+    assert post(client, key)["Idempotent-Replay"] == "false"
+    assert sent == ["GET"]
+    for commands in (["GET", "SET"], ["GET"], ["GET"]):
+        sent.clear()
+        assert post(client, key)["Idempotent-Replay"] == "true"
+        assert sent == commands
+
+
 def test_copy_expires_no_later_than_the_record(redis, key):
     complete_and_retry(identity(key))
     copy_ms = redis.pttl(cache.redis_key("tenant", key))
