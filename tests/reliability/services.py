@@ -319,8 +319,8 @@ class PrivateMariaDB:
 
     Stopped with SIGTERM (a clean shutdown: open connections are cut) or SIGKILL (InnoDB
     recovers from its redo log at the next start). Its ``performance_schema`` keeps each
-    session's last statement, so a worker can be caught inside its transaction as
-    ``pg_stat_activity`` allows on PostgreSQL.
+    session's last statement and the state of its transaction, so a worker can be caught inside
+    its transaction as ``pg_stat_activity`` allows on PostgreSQL.
     """
 
     port: int
@@ -362,7 +362,9 @@ class PrivateMariaDB:
              "--max-connections=200", "--innodb-buffer-pool-size=128M",
              "--innodb-print-all-deadlocks=ON",
              "--performance-schema=ON",
-             "--performance-schema-consumer-events-statements-current=ON"],
+             "--performance-schema-consumer-events-statements-current=ON",
+             "--performance-schema-instrument=transaction=ON",
+             "--performance-schema-consumer-events-transactions-current=ON"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         self.history.append(self.process)
@@ -422,15 +424,21 @@ class PrivateMariaDB:
         self, connection: Any, like: str, session: tuple[int, str] | None = None
     ) -> list[tuple[int, str]]:
         """As :meth:`PrivatePostgres.in_transaction`: a session sleeping (between statements)
-        with an InnoDB transaction open; its last statement from ``performance_schema``."""
+        with its transaction open; its last statement and that transaction's state from
+        ``performance_schema``.
+
+        Not from ``information_schema.INNODB_TRX``: InnoDB refreshes that copy only when nobody
+        has read it for 0.1 s, so polled every 20 ms it stays as the first poll found it, and a
+        transaction begun after that is never seen (a worker kill found nothing in 10 s).
+        ``events_transactions_current`` is the server's live state.
+        """
         query = (
             "SELECT p.HOST, s.SQL_TEXT FROM information_schema.PROCESSLIST p "
             "JOIN performance_schema.threads t ON t.PROCESSLIST_ID = p.ID "
             "JOIN performance_schema.events_statements_current s ON s.THREAD_ID = t.THREAD_ID "
+            "JOIN performance_schema.events_transactions_current x ON x.THREAD_ID = t.THREAD_ID "
             "WHERE p.DB = %s AND p.COMMAND = 'Sleep' AND s.SQL_TEXT LIKE %s "
-            # A JOIN on INNODB_TRX finds nothing here (MariaDB 10.11); EXISTS does.
-            "AND EXISTS (SELECT 1 FROM information_schema.INNODB_TRX x "
-            "WHERE x.trx_mysql_thread_id = p.ID)"
+            "AND x.STATE = 'ACTIVE'"
         )
         params: list[Any] = [self.database, like]
         if session is not None:
