@@ -922,6 +922,8 @@ def _redis_outage(scratch: _Scratch) -> Result:
     records = connections[router.db_for_write(IdempotencyRecord)]
     before, during = scratch.key("redis-before"), scratch.key("redis-during")
     first = requests.send(before, b"{}", _view(scratch, "redis-before"))
+    # The database answers the first retry and copies its response to Redis.
+    from_database = requests.send(before, b"{}", _view(scratch, "redis-before"))
     copied = bool(get_redis_connection(alias).exists(cache.redis_key(scratch.scope, before)))
     with CaptureQueriesContext(records) as queries:
         from_redis = requests.send(before, b"{}", _view(scratch, "redis-before"))
@@ -955,7 +957,8 @@ def _redis_outage(scratch: _Scratch) -> Result:
     retry_up = requests.send(during, b"{}", _view(scratch, "redis-during"))
     effects = (scratch.effects("redis-before"), scratch.effects("redis-during"))
     evidence = (
-        f"with Redis: ran {first.status}, copied to Redis: {'yes' if copied else 'NO'}, replay "
+        f"with Redis: ran {first.status}, replayed {from_database.status} by the database and "
+        f"copied to Redis: {'yes' if copied else 'NO'}, replay "
         f"{from_redis.status} with {redis_queries} database queries; Redis unreachable "
         f"(CACHE_ALIAS pointed at a closed port, in this process only): {len(failures)} Redis "
         f"error(s) absorbed, replay {replay_down.status} "
@@ -966,6 +969,7 @@ def _redis_outage(scratch: _Scratch) -> Result:
     )
     passed = (
         first.ran
+        and from_database.replayed
         and copied
         and from_redis.replayed
         and redis_queries == 0
