@@ -489,10 +489,14 @@ def kill_stale_mariadb() -> None:
 
 @contextlib.contextmanager
 def private_mariadb_server(
-    suffix: str = "load", *, server_env: ServerEnv = PrivateMariaDB.server_env
+    suffix: str = "load",
+    *,
+    server_env: ServerEnv = PrivateMariaDB.server_env,
+    migrate: bool = True,
 ) -> Iterator[PrivateMariaDB]:
-    """Install, start and migrate a private MariaDB; kill it and remove its data on exit,
-    whatever happened. ``server_env`` as for :func:`private_postgres_cluster`."""
+    """Install, start and (unless ``migrate`` is False) migrate a private MariaDB; kill it and
+    remove its data on exit, whatever happened. ``server_env`` as for
+    :func:`private_postgres_cluster`."""
     for tool in (MARIADBD, "mariadb-install-db"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed (mariadb-server)")
@@ -508,7 +512,8 @@ def private_mariadb_server(
                 f"CREATE DATABASE `{mariadb.database}` "
                 "CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci"
             )
-        _migrate(mariadb, server_env)
+        if migrate:
+            _migrate(mariadb, server_env)
         yield mariadb
     finally:
         mariadb.close()

@@ -14,15 +14,13 @@ Each run brings its own private server (a PostgreSQL cluster, a MariaDB), so bot
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.reliability.chaos import DATABASES, SHORT, ChaosConfig, missing_tools, named, run
-from tests.reliability.services import MARIADB_STATE, PrivateMariaDB, kill_stale_mariadb
-from tests.servers import free_port
+from tests.reliability.services import private_mariadb_server
 
 
 @pytest.mark.parametrize("database", list(DATABASES))
@@ -53,38 +51,29 @@ def test_the_private_mariadb_sees_a_transaction_open_and_end_while_it_is_polled(
     """The worker kill polls ``in_transaction`` every 20 ms, and must see a transaction that
     began after its first poll: INNODB_TRX, which InnoDB refreshes only after 0.1 s without
     reads, never showed it, and the chaos run's kills found no payment to kill."""
-    if missing := missing_tools("mariadb"):
-        pytest.skip(f"not installed: {', '.join(missing)}")
-    kill_stale_mariadb()
-    port = free_port()
-    mariadb = PrivateMariaDB(port, MARIADB_STATE / f"{os.getpid()}-{port}-polled")
-    try:
-        mariadb.directory.mkdir(parents=True)
-        mariadb.install()
-        mariadb.start()
-        with mariadb.connect("mysql") as admin:
-            admin.execute(f"CREATE DATABASE `{mariadb.database}`")
-        with mariadb.connect() as watcher, mariadb.connect() as worker:
-            worker.execute("CREATE TABLE probe (id INT PRIMARY KEY) ENGINE=InnoDB")
+    with (
+        private_mariadb_server("polled", migrate=False) as mariadb,
+        mariadb.connect() as watcher,
+        mariadb.connect() as worker,
+    ):
+        worker.execute("CREATE TABLE probe (id INT PRIMARY KEY) ENGINE=InnoDB")
 
-            def polled(wanted: bool) -> list[tuple[int, str]]:
-                """Poll as the kill does, every 20 ms, until the answer is ``wanted`` (5 s)."""
-                end = time.monotonic() + 5
-                while bool(found := mariadb.in_transaction(watcher, "%probe%")) != wanted:
-                    if time.monotonic() > end:
-                        break
-                    time.sleep(0.02)
-                return found
+        def polled(wanted: bool) -> list[tuple[int, str]]:
+            """Poll as the kill does, every 20 ms, until the answer is ``wanted`` (5 s)."""
+            end = time.monotonic() + 5
+            while bool(found := mariadb.in_transaction(watcher, "%probe%")) != wanted:
+                if time.monotonic() > end:
+                    break
+                time.sleep(0.02)
+            return found
 
-            assert polled(False) == []
-            worker.execute("INSERT INTO probe VALUES (1)")  # autocommit: no transaction left
-            assert mariadb.in_transaction(watcher, "%probe%") == []
-            worker.connection.autocommit(False)
-            worker.execute("INSERT INTO probe VALUES (2)")
-            (session,) = polled(True)
-            assert session[1] == "INSERT INTO probe VALUES (2)"
-            assert mariadb.in_transaction(watcher, "%probe%", session) == [session]
-            worker.connection.commit()
-            assert mariadb.in_transaction(watcher, "%probe%") == []
-    finally:
-        mariadb.close()
+        assert polled(False) == []
+        worker.execute("INSERT INTO probe VALUES (1)")  # autocommit: no transaction left
+        assert mariadb.in_transaction(watcher, "%probe%") == []
+        worker.connection.autocommit(False)
+        worker.execute("INSERT INTO probe VALUES (2)")
+        (session,) = polled(True)
+        assert session[1] == "INSERT INTO probe VALUES (2)"
+        assert mariadb.in_transaction(watcher, "%probe%", session) == [session]
+        worker.connection.commit()
+        assert mariadb.in_transaction(watcher, "%probe%") == []
