@@ -31,10 +31,17 @@ _ONLY_WHEN_ASKED = 2**31 - 1
 
 
 @contextmanager
-def cursor(connection: BaseDatabaseWrapper) -> Iterator[Any]:
+def cursor(connection: BaseDatabaseWrapper, *, binary: bool = False) -> Iterator[Any]:
     """A cursor that prepares what it runs, wrapped as Django wraps its own (errors translated,
     queries logged when Django logs them); Django's ordinary cursor when the setting is off, on
-    other backends, or on psycopg2."""
+    other backends, or on psycopg2.
+
+    The psycopg cursor underneath is kept with the connection and used again by its next
+    statement: opening one per statement (and giving it Django's time zone loader) cost more
+    than binding and running a prepared replay. With ``binary``, results come back in
+    PostgreSQL's binary format, which psycopg decodes without parsing text (timestamps, UUIDs,
+    ``bytea``); ``jsonb`` then comes back decoded, where Django's text format gives a string.
+    """
     if not (conf.PREPARED_STATEMENTS and connection.vendor == "postgresql" and _psycopg3()):
         with connection.cursor() as plain:
             yield plain
@@ -42,21 +49,42 @@ def cursor(connection: BaseDatabaseWrapper) -> Iterator[Any]:
     connection.close_if_health_check_failed()
     connection.ensure_connection()
     with connection.wrap_database_errors:
-        raw = _open(connection)
+        raw = _kept(connection, binary)
     wrap = _wrappers().debug if connection.queries_logged else _wrappers().plain
-    wrapped = wrap(raw, connection)
     connection.validate_thread_sharing()
-    with wrapped:
-        yield wrapped
+    # Not closed on the way out (CursorWrapper's __exit__ would): it is kept for the next one.
+    yield wrap(raw, connection)
 
 
+#: The connection wrapper's attribute that keeps its psycopg cursors: the raw connection and
+#: the time zone they were opened for, and the cursors by format (binary or not).
+_KEPT = "_idempotency_prepared_cursors"
+
+
+def _kept(connection: BaseDatabaseWrapper, binary: bool) -> Any:
+    """This connection's cursor for the format, opened again after a reconnection or a change
+    of ``TIME_ZONE``/``USE_TZ`` (both replace what the cursor was opened for)."""
+    raw = connection.connection
+    timezone = getattr(connection, "timezone", None)
+    kept = getattr(connection, _KEPT, None)
+    if kept is None or kept[0] is not raw or kept[1] != timezone:
+        kept = (raw, timezone, {})
+        setattr(connection, _KEPT, kept)
+    cursors: dict[bool, Any] = kept[2]
+    opened = cursors.get(binary)
+    if opened is None:
+        opened = cursors[binary] = _open(connection, binary)
+    return opened
+
+
+@cache
 def _psycopg3() -> bool:
     from django.db.backends.postgresql.psycopg_any import is_psycopg3
 
     return bool(is_psycopg3)
 
 
-def _open(connection: BaseDatabaseWrapper) -> Any:
+def _open(connection: BaseDatabaseWrapper, binary: bool) -> Any:
     from django.db.backends.postgresql.psycopg_any import register_tzloader
     from psycopg.postgres import types
     from psycopg.pq import Format
@@ -65,12 +93,32 @@ def _open(connection: BaseDatabaseWrapper) -> Any:
     if raw.prepare_threshold is None:
         raw.prepare_threshold = _ONLY_WHEN_ASKED
     opened = _wrappers().cursor(raw)
+    timezone = getattr(connection, "timezone", None)
+    if binary:
+        opened.format = Format.BINARY
+        # Django registers its time zone loader for the text format only: without this one,
+        # timestamps would come back aware in the session's zone even where Django gives
+        # naive ones (USE_TZ = False).
+        opened.adapters.register_loader("timestamptz", _binary_tzloader(timezone))
+        return opened
     # As Django's create_cursor(): timestamps read in the connection's time zone.
     loader = raw.adapters.get_loader(types["timestamptz"].oid, Format.TEXT)
-    timezone = getattr(connection, "timezone", None)
-    if timezone is not None and timezone != loader.timezone:
+    if timezone != loader.timezone:
         register_tzloader(timezone, opened)
     return opened
+
+
+@cache
+def _binary_tzloader(timezone: Any) -> type:
+    """psycopg's binary timestamp loader, giving what Django's text one gives: the time in the
+    connection's zone, naive where it has none (``USE_TZ = False``)."""
+    from psycopg.types.datetime import TimestamptzBinaryLoader
+
+    class Loader(TimestamptzBinaryLoader):
+        def load(self, data: Any) -> Any:
+            return super().load(data).replace(tzinfo=timezone)
+
+    return Loader
 
 
 class _Classes:

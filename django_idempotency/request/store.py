@@ -33,6 +33,7 @@ from datetime import datetime, timedelta
 from typing import Any, cast
 
 from django.db import IntegrityError, connections, router, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Field
 
 from django_idempotency.conf import conf
@@ -385,7 +386,6 @@ def _converters(using: str) -> list[tuple[Any, list[Any]]]:
 
 
 @functools.cache
-@functools.cache
 def _concrete_names() -> tuple[str, ...]:
     """The record's fields in column order: what the claim statement returns, and in what order
     (known from its text, so never read from ``cursor.description``, which builds a column
@@ -411,8 +411,9 @@ def _claim_postgresql(
     params = _claim_params(identity, owner_token, terms)
     owner_lock = presence.enabled(using)
     # A plain cursor rather than .raw(): this runs on every write request, and building the row
-    # by hand costs a fraction of RawQuerySet's column resolution.
-    with prepared.cursor(connection) as cursor:
+    # by hand costs a fraction of RawQuerySet's column resolution. Binary results: the row's
+    # timestamps, token and body decode without parsing text.
+    with prepared.cursor(connection, binary=True) as cursor:
         statement = _postgresql_claim_text(using, owner_lock, not connection.in_atomic_block)
         cursor.execute(statement, params)
         row = cursor.fetchone()
@@ -435,7 +436,7 @@ def _claim_partitioned(
     owner_lock, own_transaction = presence.enabled(using), not connection.in_atomic_block
     call = _claim_function(using, owner_lock, own_transaction)
     try:
-        with prepared.cursor(connection) as cursor:
+        with prepared.cursor(connection, binary=True) as cursor:
             if call is None:  # inside a transaction, before the function exists: two statements
                 cursor.execute(pg.KEY_LOCK_STATEMENT, params)
                 call = _postgresql_claim_text(using, owner_lock, False, partitioned=True)
@@ -779,7 +780,8 @@ def _update_owned(
     ``update()`` spends most of its time compiling the same query again.
     """
     connection = connections[lease.using]
-    params = [_field(name).get_db_prep_save(value, connection) for name, value in values.items()]
+    postgresql = connection.vendor == "postgresql"
+    params = _owned_update_params(values, connection, postgresql)
     terms = _Terms(lease.lease_seconds, lease.ttl_seconds)
     sql_dialect = dialect(lease.using)
     if change == "complete":
@@ -790,15 +792,14 @@ def _update_owned(
         params += sql_dialect.now_plus(hold_seconds + terms.ttl_seconds)[1]
     else:
         params += sql_dialect.now_plus(terms.lease_seconds)[1]
-    params += [
-        lease.identity.scope,
-        lease.identity.key,
-        _field("owner_token").get_db_prep_save(lease.owner_token, connection),
-        held_as,
-    ]
+    owner_token = (
+        lease.owner_token
+        if postgresql
+        else _field("owner_token").get_db_prep_save(lease.owner_token, connection)
+    )
+    params += [lease.identity.scope, lease.identity.key, owner_token, held_as]
     # The owner lock is the request's: let go once the key is completed or handed to a worker.
     release_lock = change != "extend" and lease.owner_lock
-    postgresql = connection.vendor == "postgresql"
     with prepared.cursor(connection) as cursor:
         sql = _update_owned_sql(lease.using, tuple(values), change)
         if release_lock and postgresql:
@@ -813,6 +814,20 @@ def _update_owned(
     if release_lock:
         presence.let_go(lease.using, lease.owner_token)
     return updated
+
+
+def _owned_update_params(
+    values: dict[str, Any], connection: BaseDatabaseWrapper, postgresql: bool
+) -> list[Any]:
+    """The new values as the driver takes them. PostgreSQL's takes the response's status, code,
+    body and flag as they are, so only the headers go through their field (into ``jsonb``);
+    elsewhere every value does, as the ORM would send it."""
+    if not postgresql:
+        return [_field(name).get_db_prep_save(value, connection) for name, value in values.items()]
+    return [
+        _field(name).get_db_prep_save(value, connection) if name == "response_headers" else value
+        for name, value in values.items()
+    ]
 
 
 @functools.lru_cache(maxsize=32)
