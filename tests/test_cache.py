@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from django.db import close_old_connections, connections
@@ -136,13 +137,15 @@ def test_one_redis_command_before_the_view_and_none_after_it(redis, client, key,
     """First time: a GET, then nothing after the commit. The first replay: a GET, the database's
     answer, then the copy (SET). Every later replay: a GET."""
     sent: list[str] = []
-    send = redis.execute_command
+    # The client this thread sends its commands with (its own connection, on standalone Redis).
+    sender = cache._client()
+    send = sender.execute_command
 
     def recording(*args: Any, **options: Any) -> Any:
         sent.append(str(args[0]))
         return send(*args, **options)
 
-    monkeypatch.setattr(redis, "execute_command", recording)
+    monkeypatch.setattr(sender, "execute_command", recording)
     assert post(client, key)["Idempotent-Replay"] == "false"
     assert sent == ["GET"]
     for commands in (["GET", "SET"], ["GET"], ["GET"]):
@@ -454,6 +457,54 @@ def test_failed_forget_is_reported_loudly(private_redis, failures, key):
     private_redis.stop()
     signals.key_released.send(sender=IdempotencyRecord, scope="s", key=key, reason="admin")
     assert [failure["operation"] for failure in failures] == ["forget"]
+
+
+# --- the connection each thread keeps -----------------------------------------------------------
+
+
+def held_connection() -> Any:
+    client = cache._client()
+    return client, client.connection
+
+
+def test_a_thread_keeps_one_connection_of_the_caches_pool(settings, redis_url, key):
+    configure(settings, redis_url)
+    client, connection = held_connection()
+    for _ in range(3):
+        assert cache.lookup(identity(key)) is None
+    assert held_connection() == (client, connection)
+    # The cache's own connection settings: the pool is the cache's.
+    assert client.connection_pool is get_redis_connection(ALIAS).connection_pool
+
+
+def test_each_thread_has_a_connection_of_its_own(settings, redis_url, key):
+    configure(settings, redis_url)
+    mine = held_connection()
+    theirs: list[Any] = []
+    thread = threading.Thread(target=lambda: theirs.append(held_connection()))
+    thread.start()
+    thread.join(30)
+    assert theirs and theirs[0][0] is not mine[0]
+    assert theirs[0][1] is not mine[1]
+
+
+def test_a_forked_process_or_another_redis_takes_a_new_connection(
+    settings, redis_url, key, monkeypatch
+):
+    configure(settings, redis_url)
+    before, _ = held_connection()
+    monkeypatch.setattr(os, "getpid", lambda: -1)  # what a child of a fork sees: another pid
+    after_fork, _ = held_connection()
+    assert after_fork is not before
+    # Another Redis (database 3): django-redis gives the cache a pool of its own.
+    configure(settings, urlsplit(redis_url)._replace(path="/3").geturl())
+    assert held_connection()[0] is not after_fork
+    assert cache.lookup(identity(key)) is None
+
+
+def test_a_cluster_client_is_used_as_the_cache_gives_it(settings, redis_cluster):
+    configure(settings, redis_cluster.url, cluster=True)
+    assert cache._client() is get_redis_connection(ALIAS)
 
 
 @pytest.mark.concurrency
