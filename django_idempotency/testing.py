@@ -6,6 +6,7 @@ plain functions so unittest-style tests can use them too.
 
 from __future__ import annotations
 
+import random
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -37,9 +38,23 @@ __all__ = [
 MEMORY_ROUTES = {"*": "django_idempotency.publishers.memory.MemoryPublisher"}
 
 
+class _FullBackoff(random.Random):
+    """Backoffs at their ceiling, never a random part of it: a publish that fails waits its
+    whole first backoff (``OUTBOX_BACKOFF_BASE_SECONDS``), so one drain tries each event once.
+    With the relay's jitter, a backoff shorter than the drain's own pass was retried in the same
+    drain, and a test's count of failures depended on a random draw."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+def _test_relay(using: str) -> Relay:
+    return Relay(using=using, allow_in_transaction=True, rng=_FullBackoff())
+
+
 def relay_now(using: str) -> None:
     """An ``OUTBOX_KICK`` that relays at once, in this thread, even inside a test transaction."""
-    with Relay(using=using, allow_in_transaction=True) as relay:
+    with _test_relay(using) as relay:
         relay.drain()
 
 
@@ -58,8 +73,9 @@ class OutboxRecorder:
         return [message.topic for message in self.messages]
 
     def relay(self) -> RelayStats:
-        """Publish everything due now, synchronously."""
-        with Relay(using=self.using, allow_in_transaction=True) as relay:
+        """Publish everything due now, synchronously: each due event is tried once (a failure
+        waits its whole first backoff, not a random part of it)."""
+        with _test_relay(self.using) as relay:
             return relay.drain()
 
     def fail_when(self, predicate: Callable[[OutboxMessage], bool] | None) -> None:

@@ -1,5 +1,7 @@
 """The fixtures the package ships for its users' test suites (registered through pytest11)."""
 
+import random
+
 import pytest
 from django.db import transaction
 
@@ -32,6 +34,21 @@ def test_outbox_relay_can_fail_and_be_run_by_hand(outbox_relay):
         publish("orders.paid", {"id": 1})
     assert outbox_relay.relay().failed == 1
     assert outbox_relay.messages == []
+
+
+@pytest.mark.django_db
+def test_a_failing_event_is_tried_once_per_relay_whatever_the_jitter_draws(
+    outbox_relay, monkeypatch
+):
+    """The relay's backoff is a random part of its ceiling; the fixture's relay waits the whole
+    of it, so one relay() tries a failing event once even when a draw would have made it due
+    again at once."""
+    monkeypatch.setattr(random.Random, "uniform", lambda self, a, b: a)  # the shortest backoff
+    outbox_relay.fail_when(lambda message: True)
+    with transaction.atomic():
+        publish("orders.paid", {"id": 1})
+    stats = outbox_relay.relay()
+    assert (stats.claimed, stats.failed) == (1, 1)
 
 
 @pytest.mark.django_db
