@@ -22,6 +22,7 @@ operator released.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -118,6 +119,7 @@ def _shared_client() -> Any:
         ) from exc
 
 
+@functools.cache
 def _redis_class() -> type:
     from redis import Redis
 
