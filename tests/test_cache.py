@@ -477,6 +477,31 @@ def test_a_thread_keeps_one_connection_of_the_caches_pool(settings, redis_url, k
     assert client.connection_pool is get_redis_connection(ALIAS).connection_pool
 
 
+def test_a_thread_asks_django_for_the_cache_and_its_client_once(
+    settings, redis_url, key, monkeypatch
+):
+    """Asking for them on every command cost as much CPU as the rest of a GET's Python side."""
+    configure(settings, redis_url)
+    import django_redis
+
+    asked: list[str] = []
+    real = django_redis.get_redis_connection
+
+    def counted(alias: str = "default", write: bool = True) -> Any:
+        asked.append(alias)
+        return real(alias, write)
+
+    monkeypatch.setattr(django_redis, "get_redis_connection", counted)
+    for _ in range(3):
+        assert cache.lookup(identity(key)) is None
+    assert asked == [ALIAS]
+    # A settings change (another KEY_PREFIX, here) is looked up afresh.
+    prefix = configure(settings, redis_url)
+    assert cache.lookup(identity(key)) is None
+    assert asked == [ALIAS, ALIAS]
+    assert cache.redis_key("s", "k").startswith(prefix)
+
+
 def test_each_thread_has_a_connection_of_its_own(settings, redis_url, key):
     configure(settings, redis_url)
     mine = held_connection()

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import tracemalloc
 from decimal import Decimal
 from typing import Any
@@ -306,6 +307,25 @@ def test_long_numbers_compare_exactly_on_both_sides_of_the_written_out_limit():
         integral = b"1" + b"0" * (digits - 1) + b".0"
         assert json_fp(b"[%s]" % integral) == json_fp(b"[1e%d]" % (digits - 1)), digits
     assert json_fp(b"[1" + b"0" * 4299 + b"]") == json_fp(b"[1e4299]")
+
+
+def test_threads_sharing_the_canonical_json_reader_get_one_answer():
+    """The JSON decoder and encoder are made once per process and shared by every thread."""
+    body = json.dumps({"amount": 12.50, "rate": 1e-3, "n": [1.0, 2, "2.0"], "x": "NaN"})
+    expected = json_fp(body.encode())
+    answers: set[str] = set()
+    barrier = threading.Barrier(8)
+
+    def fingerprint_many() -> None:
+        barrier.wait()
+        answers.update(json_fp(body.encode()) for _ in range(200))
+
+    threads = [threading.Thread(target=fingerprint_many) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert answers == {expected}
 
 
 def test_numbers_python_will_not_read_fall_back_to_raw_bytes():

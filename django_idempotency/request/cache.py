@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from django.core.cache import caches
+from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from django_idempotency import signals
@@ -91,18 +92,45 @@ def _client() -> Any:
 
     Taking a connection from the pool and giving it back, as redis-py does around each command,
     was a third of a ``GET``'s CPU, and every request with the fast path sends one. The kept
-    connection is the pool's (its address, timeouts and credentials); a new one is taken when
-    the cache's pool changes or the process forked.
+    connection is the pool's (its address, timeouts and credentials).
     """
-    shared = _shared_client()
-    pool = getattr(shared, "connection_pool", None)
-    if pool is None or type(shared) is not _redis_class():
-        return shared  # a cluster client, or one of a project's own making
-    held = getattr(_held, "client", None)
-    if held is None or held.connection_pool is not pool or _held.pid != os.getpid():
-        held = _redis_class()(connection_pool=pool, single_connection_client=True)
-        _held.client, _held.pid = held, os.getpid()
-    return held
+    state = _thread_state()
+    if state.client is None:
+        shared = _shared_client()
+        pool = getattr(shared, "connection_pool", None)
+        if pool is None or type(shared) is not _redis_class():
+            state.client = shared  # a cluster client, or one of a project's own making
+        else:
+            state.client = _redis_class()(connection_pool=pool, single_connection_client=True)
+    return state.client
+
+
+class _ThreadState(threading.local):
+    """What this thread looked up once and reuses on every command: the cache and its client.
+
+    Asking Django for the cache (a context-local lookup) and django-redis for its client cost
+    as much CPU as the rest of a ``GET``'s Python side. Looked up again in a forked child, and
+    after ``CACHES`` or ``IDEMPOTENCY`` changed (:data:`_generation`).
+    """
+
+    pid = -1
+    generation = -1
+    cache: Any = None
+    client: Any = None
+
+
+_state = _ThreadState()
+#: Bumped when ``CACHES`` or ``IDEMPOTENCY`` change: every thread then looks its cache up again.
+_generation = 0
+
+
+def _thread_state() -> _ThreadState:
+    state = _state
+    if state.generation != _generation or state.pid != os.getpid():
+        state.cache = caches[conf.CACHE_ALIAS or "default"]
+        state.client = None
+        state.pid, state.generation = os.getpid(), _generation
+    return state
 
 
 def _shared_client() -> Any:
@@ -126,8 +154,11 @@ def _redis_class() -> type:
     return Redis
 
 
-#: This thread's client on a connection of its own (:func:`_client`), and the process it is for.
-_held = threading.local()
+@receiver(setting_changed, dispatch_uid="django_idempotency.request.cache.settings")
+def _settings_changed(setting: str, **kwargs: Any) -> None:
+    global _generation
+    if setting in ("CACHES", "IDEMPOTENCY"):
+        _generation += 1
 
 
 def redis_key(scope: str, key: str) -> str:
@@ -141,8 +172,7 @@ def redis_key(scope: str, key: str) -> str:
     differ) tells records apart, the scope digest finds one scope's copies with ``SCAN``, and
     the key at the end finds one key's.
     """
-    cache = caches[conf.CACHE_ALIAS or "default"]
-    return str(cache.make_key(f"idem:{{{hash_tag(scope, key)}}}:{key}"))
+    return str(_thread_state().cache.make_key(f"idem:{{{hash_tag(scope, key)}}}:{key}"))
 
 
 def hash_tag(scope: str, key: str) -> str:

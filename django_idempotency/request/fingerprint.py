@@ -166,16 +166,16 @@ def _fits_in_memory(request: HttpRequest) -> bool:
 
 
 def _canonical_json(body: bytes) -> bytes:
-    numbers = _ExactNumbers()
     try:
-        parsed = json.loads(body, parse_float=numbers.parse, parse_constant=numbers.constant)
-        text = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        # json.loads(body) with the decoder made once: it reads bytes exactly this way.
+        parsed = _JSON_DECODER.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+        text = _JSON_ENCODER.encode(parsed)
     except (ValueError, RecursionError):
         # Not JSON after all, a number Python will not read (an integer or exponent of over
         # 4300 digits) or hostile nesting: the raw bytes still identify the request, and the
         # view answers the client's mistake itself.
         return b"raw\n" + body
-    return b"json\n" + numbers.unquote(text).encode("utf-8", "surrogatepass")
+    return b"json\n" + _NUMBERS.unquote(text).encode("utf-8", "surrogatepass")
 
 
 class _ExactNumbers:
@@ -189,8 +189,9 @@ class _ExactNumbers:
     or exponent are Python's own, read and written by the json module.
 
     The stdlib encoder cannot write such text unquoted, so each is handed to it as a string
-    that starts with a random mark, and ``"<mark>`` is dropped from the encoded text. A client
-    cannot send the mark, so no string of its own is ever taken for a number. The closing
+    that starts with a random mark, and ``"<mark>`` is dropped from the encoded text. The mark
+    is drawn once per process and never leaves it (only the digest does): a client cannot send
+    it, so no string of its own is ever taken for a number. The closing
     quote stays: the text is only hashed, and ``1.5"`` still reads one way (no integer, string
     or literal the encoder writes looks like it).
     """
@@ -227,6 +228,13 @@ class _ExactNumbers:
 
     def _wrap(self, number: str) -> str:
         return self._mark + number
+
+
+#: Made once: a decoder and an encoder cost more to build than a small body costs to read. Both
+#: are stateless between calls, like the json module's own default ones, so threads share them.
+_NUMBERS = _ExactNumbers()
+_JSON_DECODER = json.JSONDecoder(parse_float=_NUMBERS.parse, parse_constant=_NUMBERS.constant)
+_JSON_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def _canonical_fields(fields: QueryDict | MultiValueDict[str, Any]) -> bytes:
