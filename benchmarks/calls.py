@@ -38,6 +38,7 @@ VARIANTS = {
     "ours": "ours, database",
     "ours-redis": "ours, Redis",
     "ours-memory": "ours, kept in memory",
+    "ours-middleware": "ours, middleware, Redis",
     "drfi-db": "drf-idempotency, database",
     "drfi-redis": "drf-idempotency, Redis",
     "dik": "django-idempotency-key, Redis",
@@ -51,7 +52,17 @@ NOTE = json.dumps({"title": "bench", "body": "a note", "done": False}).encode()
 REPLAY_KEYS = 50
 
 
-def environ(method: str, path: str, body: bytes = b"", key: str | None = None) -> dict[str, Any]:
+#: The ``Authorization`` header each variant's clients send (as in ``benchmarks.run``).
+AUTHORIZATION = {"ours-middleware": "Token bench-client"}
+
+
+def environ(
+    method: str,
+    path: str,
+    body: bytes = b"",
+    key: str | None = None,
+    authorization: str | None = None,
+) -> dict[str, Any]:
     """A WSGI environ as gunicorn would build it for wrk's request."""
     request: dict[str, Any] = {
         "REQUEST_METHOD": method,
@@ -69,6 +80,8 @@ def environ(method: str, path: str, body: bytes = b"", key: str | None = None) -
     }
     if key is not None:
         request["HTTP_IDEMPOTENCY_KEY"] = key
+    if authorization is not None:
+        request["HTTP_AUTHORIZATION"] = authorization
     return request
 
 
@@ -93,12 +106,16 @@ def child(variant: str, requests: int, dump: str | None) -> None:
     prefix = uuid.uuid4().hex[:8]
     replay_keys = [f"r-{prefix}-{number}" for number in range(REPLAY_KEYS)]
     counter = iter(range(10**9))
+    authorization = AUTHORIZATION.get(variant)
+
+    def guarded(key: str) -> dict[str, Any]:
+        return environ("POST", "/api/v1/notes/", NOTE, key, authorization)
 
     def first() -> dict[str, Any]:
-        return environ("POST", "/api/v1/notes/", NOTE, f"f-{prefix}-{next(counter)}")
+        return guarded(f"f-{prefix}-{next(counter)}")
 
     def replay() -> dict[str, Any]:
-        return environ("POST", "/api/v1/notes/", NOTE, replay_keys[next(counter) % REPLAY_KEYS])
+        return guarded(replay_keys[next(counter) % REPLAY_KEYS])
 
     makers: dict[str, Callable[[], dict[str, Any]]] = {
         "plain": lambda: environ("POST", "/plain/notes/", NOTE),
@@ -109,7 +126,7 @@ def child(variant: str, requests: int, dump: str | None) -> None:
     expected = {"plain": "201", "first": "201", "replay": "201", "get": "200"}
     for key in replay_keys:
         for _ in range(2):  # completed, then replayed once (which copies it to Redis)
-            call(environ("POST", "/api/v1/notes/", NOTE, key))
+            call(guarded(key))
     results: dict[str, Any] = {}
     for path, make in makers.items():
         if (variant, path) in SKIPPED:

@@ -9,6 +9,8 @@ local prefix = os.getenv("BENCH_KEY_PREFIX") or "00000000"
 local replay_keys = tonumber(os.getenv("BENCH_REPLAY_KEYS") or "1")
 local accounts = tonumber(os.getenv("BENCH_ACCOUNTS") or "2")
 local body_kind = os.getenv("BENCH_BODY") or "payment"
+-- BENCH_AUTHORIZATION: an Authorization header to send with every POST ("": none).
+local authorization = os.getenv("BENCH_AUTHORIZATION") or ""
 local counter = 0
 local thread_number = 1
 local threads = {}
@@ -43,6 +45,9 @@ function request()
   end
   -- wrk.format uses these headers instead of wrk.headers, not on top of them
   local headers = {["Content-Type"] = "application/json"}
+  if authorization ~= "" then
+    headers["Authorization"] = authorization
+  end
   local number = thread_number * 7919 + counter
   if mode == "first" then
     headers["Idempotency-Key"] = key_for(thread_number, counter)

@@ -114,6 +114,8 @@ NOTES = Endpoint("notes", "/api/v1/notes/", "/plain/notes/", "note")
 GUARDS = [
     ("ours", "ours", "database"),
     ("ours", "ours-redis", "Redis"),
+    # The same fast path behind IdempotencyMiddleware: a replay answered before DRF runs.
+    ("ours, middleware", "ours-middleware", "Redis"),
     ("drf-idempotency", "drfi-db", "database"),
     ("drf-idempotency", "drfi-redis", "Redis"),
     ("django-idempotency-key", "dik", "Redis"),
@@ -137,7 +139,12 @@ def endpoint_rows(endpoint: Endpoint) -> list[Row]:
 
 CEILING = Row("bare GET (ceiling)", "ours", None, "get", "ceiling")
 ROWS = [*endpoint_rows(PAYMENTS), *endpoint_rows(NOTES), CEILING]
-VARIANTS = ["ours", "ours-redis", "ours-memory", "drfi-db", "drfi-redis", "dik", "drfik"]
+VARIANTS = [
+    "ours", "ours-redis", "ours-memory", "ours-middleware", "drfi-db", "drfi-redis", "dik", "drfik"
+]  # fmt: skip
+#: The ``Authorization`` header each variant's clients send (none where absent): the middleware
+#: scopes keys by it, since it answers replays before DRF's authentication runs.
+AUTHORIZATION = {"ours-middleware": "Token bench-client"}
 
 
 def environment(variant: str, args: argparse.Namespace) -> dict[str, str]:
@@ -227,10 +234,14 @@ def stop(server: Server) -> None:
         server.process.wait(30)
 
 
-def post(url: str, key: str | None, body: str = BODY) -> tuple[int, dict[str, str], bytes]:
+def post(
+    url: str, key: str | None, body: str = BODY, authorization: str | None = None
+) -> tuple[int, dict[str, str], bytes]:
     headers = {"Content-Type": "application/json"}
     if key is not None:
         headers["Idempotency-Key"] = key
+    if authorization is not None:
+        headers["Authorization"] = authorization
     request = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
@@ -247,7 +258,8 @@ def create_replay_keys(server: Server, endpoint: Endpoint, count: int) -> None:
     for number in range(count):
         key = replay_key(server, endpoint, number)
         body = body_for(number) if endpoint is PAYMENTS else NOTE_BODY
-        status, _, answer = post(server.base + endpoint.guarded, key, body)
+        authorization = AUTHORIZATION.get(server.variant)
+        status, _, answer = post(server.base + endpoint.guarded, key, body, authorization)
         if status != 201:
             raise RuntimeError(f"{server.variant}: creating a replay key got {status}: {answer!r}")
 
@@ -257,7 +269,8 @@ def duplicates_let_through(server: Server, attempts: int = 8) -> int:
     key = f"{secrets.token_hex(4)}-ffff-4000-8000-000000000000"
     url = server.base + "/api/v1/payments/"
     with concurrent.futures.ThreadPoolExecutor(attempts) as pool:
-        results = list(pool.map(lambda _: post(url, key), range(attempts)))
+        authorization = AUTHORIZATION.get(server.variant)
+        results = list(pool.map(lambda _: post(url, key, BODY, authorization), range(attempts)))
     created = {json.loads(body)["transaction_id"] for status, _, body in results if status == 201}
     return len(created)
 
@@ -338,6 +351,7 @@ def wrk(
         "BENCH_KEY_PREFIX": secrets.token_hex(4),
         "BENCH_REPLAY_KEYS": str(args.replay_keys),
         "BENCH_ACCOUNTS": str(ACCOUNTS),
+        "BENCH_AUTHORIZATION": AUTHORIZATION.get(server.variant, ""),
     }
     if row.mode == "replay" and row.endpoint is not None:
         env["BENCH_KEY_PREFIX"] = server.replay_prefix(row.endpoint)
@@ -501,11 +515,16 @@ def main() -> int:
             print(f"{server.variant}: up; creating replay keys", file=sys.stderr)
             for endpoint in (PAYMENTS, NOTES):
                 create_replay_keys(server, endpoint, args.replay_keys)
-        smoke_replay = post(
-            servers["ours"].base + PAYMENTS.guarded, replay_key(servers["ours"], PAYMENTS, 0)
-        )
-        if smoke_replay[1].get("Idempotent-Replay") != "true":
-            raise RuntimeError(f"our replay was not a replay: {smoke_replay}")
+        for variant in ("ours", "ours-middleware"):
+            # The replay rows must replay: a key sent under another scope would run again.
+            server = servers[variant]
+            smoke_replay = post(
+                server.base + PAYMENTS.guarded,
+                replay_key(server, PAYMENTS, 0),
+                authorization=AUTHORIZATION.get(variant),
+            )
+            if smoke_replay[1].get("Idempotent-Replay") != "true":
+                raise RuntimeError(f"{variant}: our replay was not a replay: {smoke_replay}")
         duplicates = {}
         for variant, server in servers.items():
             print(f"{variant}: concurrent duplicates", file=sys.stderr)

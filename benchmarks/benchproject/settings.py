@@ -2,9 +2,12 @@
 
 ``BENCH_VARIANT`` picks what guards ``POST /api/v1/payments/``: ``ours`` (database only),
 ``ours-redis`` (with the Redis fast path), ``ours-memory`` (database only, answers kept in
-each worker's memory for 5 s: ``LOCAL_REPLAY_SECONDS``), or one of the PyPI peers wired as
-their READMEs say (``dik``: django-idempotency-key, ``drfi-db`` / ``drfi-redis``: drf-idempotency,
-``drfik``: drf-idempotencykey). ``all`` installs every app, for migrations.
+each worker's memory for 5 s: ``LOCAL_REPLAY_SECONDS``), ``ours-middleware`` (the Redis fast
+path, guarded by ``IdempotencyMiddleware`` instead of the mixin; its clients send an
+``Authorization`` header, which scopes their keys: ``benchmarks.run.AUTHORIZATION``), or one
+of the PyPI peers wired as their READMEs say (``dik``: django-idempotency-key, ``drfi-db`` /
+``drfi-redis``: drf-idempotency, ``drfik``: drf-idempotencykey). ``all`` installs every app, for
+migrations.
 """
 
 from __future__ import annotations
@@ -75,11 +78,18 @@ REST_FRAMEWORK = {
 }
 LOGGING = {"version": 1, "disable_existing_loggers": False, "root": {"level": "ERROR"}}
 
-OURS = VARIANT in ("ours", "ours-redis", "ours-memory", "all")
+OURS = VARIANT in ("ours", "ours-redis", "ours-memory", "ours-middleware", "all")
 if OURS:
-    IDEMPOTENCY: dict[str, Any] = {"CACHE_ALIAS": "redis" if VARIANT == "ours-redis" else None}
+    with_redis = VARIANT in ("ours-redis", "ours-middleware")
+    IDEMPOTENCY: dict[str, Any] = {"CACHE_ALIAS": "redis" if with_redis else None}
     if VARIANT == "ours-memory":
         IDEMPOTENCY["LOCAL_REPLAY_SECONDS"] = 5
+if VARIANT == "ours-middleware":
+    # The middleware answers a replay before the view, so before DRF: the caller is told by
+    # the digest of its Authorization header (CREDENTIAL_HEADERS), which DRF checks on the
+    # first request. The same endpoints as the mixin's rows, none of DRF's work on a replay.
+    IDEMPOTENCY["MIDDLEWARE_PATHS"] = [r"^/api/v1/"]
+    MIDDLEWARE.append("django_idempotency.middleware.IdempotencyMiddleware")
 if VARIANT in ("dik", "all"):
     INSTALLED_APPS.append("idempotency_key")
     # README: the middleware makes every unsafe method require a key. Its default storage is

@@ -43,7 +43,8 @@ View = TypeVar("View", bound=type)
 
 
 def guarded(view: View) -> View:
-    """``view`` as this variant guards it (middleware variants guard it from outside)."""
+    """``view`` as this variant guards it (middleware variants, ours-middleware included, guard
+    it from outside)."""
     if settings.VARIANT in ("ours", "ours-redis", "ours-memory"):
         from django_idempotency.drf import IdempotencyMixin
 
