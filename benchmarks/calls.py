@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.run import AUTHORIZATION
+
 ROOT = Path(__file__).resolve().parent.parent
 DATABASE_URL = os.environ.get(
     "BENCH_CALLS_URL", "postgres://postgres@127.0.0.1:5432/idem_speed_calls"
@@ -50,10 +52,6 @@ SKIPPED = {("dik", "plain")}
 NOTE = json.dumps({"title": "bench", "body": "a note", "done": False}).encode()
 #: Distinct keys the replay path cycles over, each completed before the count.
 REPLAY_KEYS = 50
-
-
-#: The ``Authorization`` header each variant's clients send (as in ``benchmarks.run``).
-AUTHORIZATION = {"ours-middleware": "Token bench-client"}
 
 
 def environ(
