@@ -2,12 +2,13 @@
 
 The demo's payment POST (the heavier endpoint) and the lightest create there is (a three-field
 note), each plain, guarded by ours and by the peers; and the same server's bare GET, the ceiling
-a replay can reach. Every variant runs in its own gunicorn (see ``benchproject/settings.py``);
-rows are measured in interleaved rounds and reported as medians, with each row's throughput and
-CPU per request relative to the plain endpoint, replays also relative to the ceiling. Per request
-it reports the workers' CPU, the PostgreSQL backends' CPU, the SQL statements the workers ran
-and the commits the database counted. ``--smoke`` runs a few requests per row and fails on any
-error.
+a replay can reach, with a bare POST beside it (a note replay's request answered by a view that
+does nothing: the part of a replay's cost that is the request's own). Every variant runs in its
+own gunicorn (see ``benchproject/settings.py``); rows are measured in interleaved rounds and
+reported as medians, with each row's throughput and CPU per request relative to the plain
+endpoint, replays also relative to the ceiling. Per request it reports the workers' CPU, the
+PostgreSQL backends' CPU, the SQL statements the workers ran and the commits the database
+counted. ``--smoke`` runs a few requests per row and fails on any error.
 
     python -m benchmarks.run [--rounds 3] [--duration 6] [--smoke]
 """
@@ -138,7 +139,16 @@ def endpoint_rows(endpoint: Endpoint) -> list[Row]:
 
 
 CEILING = Row("bare GET (ceiling)", "ours", None, "get", "ceiling")
-ROWS = [*endpoint_rows(PAYMENTS), *endpoint_rows(NOTES), CEILING]
+#: A note replay's request (its headers and body) answered by a view that does nothing with it:
+#: what that request costs the server and the client before any idempotency work, beside the GET.
+BARE_POST = Row(
+    "bare POST (a note replay's request, nothing done)",
+    "ours",
+    Endpoint("bare POST", "/post/", "/post/", "note"),
+    "replay",
+    "ceiling-post",
+)
+ROWS = [*endpoint_rows(PAYMENTS), *endpoint_rows(NOTES), CEILING, BARE_POST]
 VARIANTS = [
     "ours", "ours-redis", "ours-memory", "ours-middleware", "drfi-db", "drfi-redis", "dik", "drfik"
 ]  # fmt: skip
@@ -456,8 +466,10 @@ def table(summary: list[dict[str, Any]], duplicates: dict[str, int]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for item in summary:
-        ceiling = f"{item['ceiling_ratio']:.2f}" if item["group"].startswith("replay") else ""
-        added = "" if item["group"] in ("plain", "ceiling") else f"{item['p99_added_ms']:+.1f}"
+        against_ceiling = item["group"].startswith("replay") or item["group"] == "ceiling-post"
+        ceiling = f"{item['ceiling_ratio']:.2f}" if against_ceiling else ""
+        baseline = item["group"] in ("plain", "ceiling", "ceiling-post")
+        added = "" if baseline else f"{item['p99_added_ms']:+.1f}"
         lines.append(
             f"| {item['row']} | {item['rps']:.0f} | {item['ratio']:.2f} | {ceiling} "
             f"| {item['p50_ms']:.1f} | {item['p99_ms']:.1f} | {added} | {item['cpu_ms']:.2f} "

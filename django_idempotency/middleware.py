@@ -69,8 +69,10 @@ class IdempotencyMiddleware:
         ``async_to_sync``, so the view's database calls and the response's storage share one
         transaction.
         """
+        if not self.guards(request):
+            return None
         options = self.options()
-        if not (self.guards(request) and lifecycle.guards(request, options)):
+        if not lifecycle.guards(request, options):
             return None
         call: Callable[[], HttpResponseBase] = partial(
             async_to_sync(view_func) if iscoroutinefunction(view_func) else view_func,
@@ -90,8 +92,10 @@ class IdempotencyMiddleware:
         """:meth:`process_view` under ASGI: the lifecycle and the view run in the thread the
         async ORM calls use, as there; a duplicate that waits for a request in flight waits on
         the event loop."""
+        if not self.guards(request):
+            return None
         options = self.options()
-        if not (self.guards(request) and lifecycle.guards(request, options)):
+        if not lifecycle.guards(request, options):
             return None
         if iscoroutinefunction(view_func):
             return await lifecycle.serve_async(

@@ -8,4 +8,5 @@ urlpatterns = [
     path("api/v1/notes/", views.guarded(views.PlainNoteView).as_view()),
     path("plain/notes/", views.PlainNoteView.as_view()),
     path("get/", views.bare_get),
+    path("post/", views.bare_post),
 ]

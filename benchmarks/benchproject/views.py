@@ -1,7 +1,9 @@
-"""The payments endpoint and the lightest create endpoint in every variant, plus a bare GET.
+"""The payments endpoint and the lightest create endpoint in every variant, plus a bare GET and
+a bare POST.
 
 The bare GET (no database, no DRF) is the ceiling for a replay: the fastest answer this server
-gives to anything.
+gives to anything. The bare POST answers a note replay's request (same headers, same body) with a
+note's answer and does nothing else: what that request costs before any idempotency work.
 """
 
 from __future__ import annotations
@@ -59,3 +61,12 @@ def guarded(view: View) -> View:
 def bare_get(request: HttpRequest) -> HttpResponse:
     """A small JSON answer without the database or DRF: the replay ceiling."""
     return HttpResponse(b'{"ok":true}', content_type="application/json")
+
+
+def bare_post(request: HttpRequest) -> HttpResponse:
+    """A note's answer to a note replay's request, without reading it, the database or DRF."""
+    return HttpResponse(
+        b'{"id":1,"title":"bench","body":"a note","done":false}',
+        status=201,
+        content_type="application/json",
+    )
