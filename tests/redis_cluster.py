@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.ports import free_ports
 from tests.servers import process_alive
 
 #: Where the nodes of a cluster note their pids: ``<pytest pid>-<port>.pid`` and
@@ -28,32 +28,6 @@ from tests.servers import process_alive
 CLUSTER_STATE = Path(tempfile.gettempdir()) / "django_idempotency_redis_cluster"
 #: How long a master may be silent before its replica takes over (redis default: 15 s).
 NODE_TIMEOUT_MS = 1000
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports free now, each with its cluster bus port (port + 10000) free too."""
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < count:
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            held.append(sock)
-            port = int(sock.getsockname()[1])
-            if port + 10000 > 65535:
-                continue
-            bus = socket.socket()
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                bus.close()
-                continue
-            held.append(bus)
-            ports.append(port)
-    finally:
-        for sock in held:
-            sock.close()
-    return ports
 
 
 def kill_stale_clusters() -> None:
@@ -139,7 +113,8 @@ class LocalRedisCluster:
         directory = Path(tempfile.mkdtemp(prefix="di-redis-cluster-"))
         CLUSTER_STATE.mkdir(exist_ok=True)
         (CLUSTER_STATE / f"{os.getpid()}.dir").write_text(str(directory))
-        cluster = cls(directory, [Node(port, directory) for port in _free_ports(6)])
+        ports = free_ports(6, paired_offset=10000)  # each with its cluster bus port, port + 10000
+        cluster = cls(directory, [Node(port, directory) for port in ports])
         try:
             for node in cluster.nodes:
                 node.start()

@@ -18,6 +18,8 @@ from typing import Any
 
 from django.db import connection
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,12 +32,6 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

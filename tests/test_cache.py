@@ -30,6 +30,7 @@ from django_idempotency.core.types import Decision, Identity, Mismatch, Proceed,
 from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.request import cache, lifecycle
+from tests.ports import free_port
 from tests.testapp.models import Widget
 from tests.testapp.views import WidgetAPIView
 
@@ -302,17 +303,11 @@ def fastpath_disabled() -> Iterator[None]:
         yield
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class PrivateRedis:
     """A redis-server of our own, on a free port, that a test may stop and start."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property

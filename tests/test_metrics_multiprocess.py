@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,16 +23,11 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.factories import OutboxEventFactory
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = [pytest.mark.concurrency, pytest.mark.django_db(transaction=True)]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def post(url: str, key: str) -> int:

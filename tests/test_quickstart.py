@@ -40,7 +40,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.demo.stack import free_port, stop
+from tests.demo.stack import stop
+from tests.ports import free_port
 from tests.slow import ROOT, fresh_venv, once_per_run, run, venv_environment
 
 pytestmark = once_per_run

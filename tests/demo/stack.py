@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -78,13 +77,6 @@ def environment(**variables: str) -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT)
     env.update(variables)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 90.0) -> None:

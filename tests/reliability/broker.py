@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.backends import backends_required
+from tests.ports import free_port
 
 #: Where the Debian package keeps the real scripts: /usr/sbin/rabbitmq-server is a wrapper that
 #: re-runs them as the rabbitmq user, with the shared node's log files and home.
@@ -62,12 +62,6 @@ def _live_processes() -> dict[int, str]:
         if not state.startswith("Z") and int(pid) != os.getpid():
             rows[int(pid)] = args
     return rows
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True, slots=True)
