@@ -26,6 +26,7 @@ from demo_project.payments.management.commands.idempotency_tour import Client
 from tests.backends import service_url
 from tests.conftest import require_service
 from tests.demo import stack
+from tests.ports import free_port
 from tests.settings import TEST_DATABASE
 
 #: Long enough for a slow payment (half of it) on a busy machine, short enough for the crash.
@@ -86,7 +87,7 @@ def serving(workdir: Path, **variables: str) -> Iterator[DemoServer]:
     """A fresh database, ``setup`` run on it, and ``web`` serving it until the block ends."""
     base_url = None if TEST_DATABASE == "sqlite" else service_url(TEST_DATABASE)
     with stack.fresh_database(TEST_DATABASE, base_url, workdir) as database_url:
-        port = stack.free_port()
+        port = free_port()
         env = stack.environment(
             DATABASE_URL=database_url,
             DEMO_FAULTS="1",

@@ -12,6 +12,7 @@ import pytest
 
 from tests.demo import stack
 from tests.demo.conftest import DemoServer
+from tests.ports import free_port
 
 
 def tour(url: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -95,7 +96,7 @@ def test_the_tour_runs_green_and_every_duplicate_leaves_the_balances_alone(
 
 
 def test_the_tour_says_so_when_there_is_no_demo_to_tour() -> None:
-    result = tour(f"http://127.0.0.1:{stack.free_port()}")
+    result = tour(f"http://127.0.0.1:{free_port()}")
     assert result.returncode != 0
     assert "Cannot reach the demo" in result.stderr
     assert "make demo" in result.stderr
