@@ -16,7 +16,7 @@ import random
 import socket
 from pathlib import Path
 
-__all__ = ["free_port", "free_ports"]
+__all__ = ["ephemeral_range", "free_port", "free_ports"]
 
 #: Below this, ports belong to well-known services.
 _LOWEST = 10000
@@ -55,9 +55,10 @@ def free_ports(count: int, *, paired_offset: int = 0) -> list[int]:
     ports: list[int] = []
     try:
         for port in _RANDOM.sample(range(_LOWEST, top), k=min(top - _LOWEST, 1000)):
-            sockets = [_bound(port)] + ([_bound(port + paired_offset)] if paired_offset else [])
-            held += [sock for sock in sockets if sock is not None]
-            if None not in sockets:
+            wanted = [port, port + paired_offset] if paired_offset else [port]
+            sockets = [sock for number in wanted if (sock := _bound(number)) is not None]
+            held += sockets
+            if len(sockets) == len(wanted):
                 ports.append(port)
                 if len(ports) == count:
                     return ports
