@@ -4,7 +4,8 @@ The lightest create endpoint of the HTTP benchmark (``benchproject/notes``) is c
 Django's WSGI handler, in one process, on PostgreSQL: the plain create, a first-time key, a
 replay, the bare GET (the ceiling) and the bare POST (a replay's request answered by a view that
 does nothing; ours only), for ours on the database, with the Redis copy and with answers kept in
-memory, and for the peers. Per path it prints the Python function calls per request
+memory, and for the peers; and once the floors (``benchproject.views``: what any layer must do
+at the least, with no layer's code). Per path it prints the Python function calls per request
 (``cProfile``; a count, so the same on a busy machine as on an idle one) and the thread CPU per
 request. The calls are what a change to the request path is judged by between two runs of
 ``make bench``; the HTTP rows say what they are worth.
@@ -47,10 +48,15 @@ VARIANTS = {
     "dik": "django-idempotency-key, Redis",
 }
 PATHS = ("plain", "first", "replay", "get", "post")
+#: The floors (``benchproject.views``): what any layer must do at the least, with no layer's
+#: code; the same for every variant, so counted in the database variant's process only.
+FLOOR_PATHS = ("floor-redis", "floor-database", "floor-first")
 #: Paths a variant cannot serve: django-idempotency-key's middleware refuses any POST without a
 #: key, the plain create included. The bare POST (a replay's request answered by a view that does
 #: nothing) is ours alone: the peers' middleware would guard it.
-SKIPPED = {("dik", "plain"), ("dik", "post"), ("drfi-db", "post"), ("drfi-redis", "post")}
+SKIPPED = {("dik", "plain"), ("dik", "post"), ("drfi-db", "post"), ("drfi-redis", "post")} | {
+    (variant, path) for variant in VARIANTS if variant != "ours" for path in FLOOR_PATHS
+}
 NOTE = json.dumps({"title": "bench", "body": "a note", "done": False}).encode()
 #: Distinct keys the replay path cycles over, each completed before the count.
 REPLAY_KEYS = 50
@@ -123,8 +129,14 @@ def child(variant: str, requests: int, dump: str | None) -> None:
         "replay": replay,
         "get": lambda: environ("GET", "/get/"),
         "post": lambda: environ("POST", "/post/", NOTE, replay_keys[0], authorization),
+        "floor-redis": lambda: environ("POST", "/floor/redis/", NOTE, replay_keys[0]),
+        "floor-database": lambda: environ("POST", "/floor/database/", NOTE, replay_keys[0]),
+        "floor-first": lambda: environ(
+            "POST", "/floor/notes/", NOTE, f"c-{prefix}-{next(counter)}"
+        ),
     }
     expected = {"plain": "201", "first": "201", "replay": "201", "get": "200", "post": "201"}
+    expected |= dict.fromkeys(FLOOR_PATHS, "201")
     for key in replay_keys:
         for _ in range(2):  # completed, then replayed once (which copies it to Redis)
             call(guarded(key))
@@ -214,6 +226,22 @@ def table(results: list[dict[str, Any]]) -> str:
             + f" | {cell('replay', 'cpu_ms', '.2f')} ({cell('get', 'cpu_ms', '.2f')}, "
             + f"{cell('post', 'cpu_ms', '.2f')}) |"
         )
+    floors = next((result for result in results if "floor-first" in result), None)
+    if floors is not None:
+        lines += [
+            "",
+            "Floors, what any layer must do at the least with no layer's code (calls, CPU ms):",
+            "",
+            "| Redis floor: bare POST + one GET | database floor: bare POST + one SELECT "
+            "| first-time floor: plain create + claim + completion |",
+            "|---:|---:|---:|",
+            "| "
+            + " | ".join(
+                f"{floors[path]['calls']:,.0f} ({floors[path]['cpu_ms']:.2f})"
+                for path in FLOOR_PATHS
+            )
+            + " |",
+        ]
     return "\n".join(lines)
 
 
@@ -221,7 +249,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--smoke", action="store_true", help="a few requests; fail on errors")
-    parser.add_argument("--dump", choices=PATHS, help="print the profile of this path")
+    parser.add_argument("--dump", choices=PATHS + FLOOR_PATHS, help="print this path's profile")
     parser.add_argument("--variant", choices=list(VARIANTS), action="append")
     parser.add_argument("--output", type=Path, default=ROOT / "artifacts" / "calls.json")
     parser.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
@@ -241,7 +269,9 @@ def main() -> int:
     print(table(results))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
-    failed = [r["variant"] for r in results if not all(r[p]["ok"] for p in PATHS if p in r)]
+    failed = [
+        r["variant"] for r in results if not all(r[p]["ok"] for p in PATHS + FLOOR_PATHS if p in r)
+    ]
     if failed or len(results) < len(args.variant or VARIANTS):
         print(f"failed or answered unexpectedly: {failed}", file=sys.stderr)
         return 1

@@ -3,12 +3,13 @@
 The demo's payment POST (the heavier endpoint) and the lightest create there is (a three-field
 note), each plain, guarded by ours and by the peers; and the same server's bare GET, the ceiling
 a replay can reach, with a bare POST beside it (a note replay's request answered by a view that
-does nothing: the part of a replay's cost that is the request's own). Every variant runs in its
-own gunicorn (see ``benchproject/settings.py``); rows are measured in interleaved rounds and
-reported as medians, with each row's throughput and CPU per request relative to the plain
-endpoint, replays also relative to the ceiling. Per request it reports the workers' CPU, the
-PostgreSQL backends' CPU, the SQL statements the workers ran and the commits the database
-counted. ``--smoke`` runs a few requests per row and fails on any error.
+does nothing: the part of a replay's cost that is the request's own), and three floors (what any
+idempotency layer must do at the least, done by a view with no layer's code: ``FLOORS``). Every
+variant runs in its own gunicorn (see ``benchproject/settings.py``); rows are measured in
+interleaved rounds and reported as medians, with each row's throughput and CPU per request
+relative to the plain endpoint, replays also relative to the ceiling. Per request it reports the
+workers' CPU, the PostgreSQL backends' CPU, the SQL statements the workers ran and the commits
+the database counted. ``--smoke`` runs a few requests per row and fails on any error.
 
     python -m benchmarks.run [--rounds 3] [--duration 6] [--smoke]
 """
@@ -101,6 +102,8 @@ class Row:
     endpoint: Endpoint | None  # None: the bare GET
     mode: str  # first | replay | none | get
     group: str  # rows that do the same work share a group, for "ahead of every peer"
+    #: The endpoint whose plain row "× plain" compares with (None: this row's own endpoint).
+    baseline: Endpoint | None = None
 
     @property
     def path(self) -> str:
@@ -148,7 +151,37 @@ BARE_POST = Row(
     "replay",
     "ceiling-post",
 )
-ROWS = [*endpoint_rows(PAYMENTS), *endpoint_rows(NOTES), CEILING, BARE_POST]
+#: What any idempotency layer must do at the least, done by a view with no layer's code
+#: (``benchproject.views``): no layer can pass its floor on the same machine.
+FLOORS = [
+    Row(
+        "floor: bare POST + one Redis GET (a replay from Redis)",
+        "ours",
+        Endpoint("Redis floor", "/floor/redis/", "/floor/redis/", "note"),
+        "replay",
+        "floor-redis",
+    ),
+    Row(
+        "floor: bare POST + one indexed SELECT (a replay from the database)",
+        "ours",
+        Endpoint("database floor", "/floor/database/", "/floor/database/", "note"),
+        "replay",
+        "floor-db",
+    ),
+    Row(
+        "floor: notes plain + a claim committed before it, completed in it (first-time)",
+        "ours",
+        Endpoint("first-time floor", "/floor/notes/", "/floor/notes/", "note"),
+        "first",
+        "floor-first",
+        baseline=NOTES,
+    ),
+]
+ROWS = [*endpoint_rows(PAYMENTS), *endpoint_rows(NOTES), CEILING, BARE_POST, *FLOORS]
+#: Groups compared with the ceiling ("× ceiling").
+AGAINST_CEILING = ("ceiling-post", "floor-redis", "floor-db")
+#: Groups that are a baseline themselves: no added latency to report.
+BASELINES = ("plain", "ceiling", "ceiling-post", "floor-redis", "floor-db")
 VARIANTS = [
     "ours", "ours-redis", "ours-memory", "ours-middleware", "drfi-db", "drfi-redis", "dik", "drfik"
 ]  # fmt: skip
@@ -435,7 +468,7 @@ def summarise(
     ceiling_rps = median(CEILING, "rps")
     summary = []
     for row in ROWS:
-        base = plain.get(row.endpoint, plain[PAYMENTS])
+        base = plain.get(row.baseline or row.endpoint, plain[PAYMENTS])
         cpu = median(row, "cpu_ms_per_request") + median(row, "pg_cpu_ms_per_request")
         base_cpu = median(base, "cpu_ms_per_request") + median(base, "pg_cpu_ms_per_request")
         summary.append(
@@ -466,9 +499,9 @@ def table(summary: list[dict[str, Any]], duplicates: dict[str, int]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for item in summary:
-        against_ceiling = item["group"].startswith("replay") or item["group"] == "ceiling-post"
+        against_ceiling = item["group"].startswith("replay") or item["group"] in AGAINST_CEILING
         ceiling = f"{item['ceiling_ratio']:.2f}" if against_ceiling else ""
-        baseline = item["group"] in ("plain", "ceiling", "ceiling-post")
+        baseline = item["group"] in BASELINES
         added = "" if baseline else f"{item['p99_added_ms']:+.1f}"
         lines.append(
             f"| {item['row']} | {item['rps']:.0f} | {item['ratio']:.2f} | {ceiling} "

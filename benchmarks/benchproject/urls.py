@@ -9,4 +9,7 @@ urlpatterns = [
     path("plain/notes/", views.PlainNoteView.as_view()),
     path("get/", views.bare_get),
     path("post/", views.bare_post),
+    path("floor/redis/", views.floor_redis),
+    path("floor/database/", views.floor_database),
+    path("floor/notes/", views.FloorNoteView.as_view()),
 ]

@@ -1,17 +1,27 @@
-"""The payments endpoint and the lightest create endpoint in every variant, plus a bare GET and
-a bare POST.
+"""The payments endpoint and the lightest create endpoint in every variant, plus a bare GET, a
+bare POST and three floors.
 
 The bare GET (no database, no DRF) is the ceiling for a replay: the fastest answer this server
 gives to anything. The bare POST answers a note replay's request (same headers, same body) with a
 note's answer and does nothing else: what that request costs before any idempotency work.
+
+The floors are what any idempotency layer must do at the least, done with no layer's code: a
+bare POST that reads one value from Redis first (a replay from Redis), one that reads one row
+from PostgreSQL first (a replay from the database), and the plain note create with a claim
+committed before it and completed inside its transaction (a first-time key with that
+guarantee). No layer can beat its floor on the same machine; what separates a layer from it is
+the layer's own work.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+import functools
+from typing import Any, TypeVar
 
+import redis
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse
+from django.db import connection, transaction
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from rest_framework import generics, mixins, viewsets
 
 from benchmarks.benchproject.notes.models import Note
@@ -63,10 +73,70 @@ def bare_get(request: HttpRequest) -> HttpResponse:
     return HttpResponse(b'{"ok":true}', content_type="application/json")
 
 
+NOTE_ANSWER = b'{"id":1,"title":"bench","body":"a note","done":false}'
+
+
 def bare_post(request: HttpRequest) -> HttpResponse:
     """A note's answer to a note replay's request, without reading it, the database or DRF."""
-    return HttpResponse(
-        b'{"id":1,"title":"bench","body":"a note","done":false}',
-        status=201,
-        content_type="application/json",
-    )
+    return HttpResponse(NOTE_ANSWER, status=201, content_type="application/json")
+
+
+# --- floors ------------------------------------------------------------------------------------
+
+#: What the Redis floor reads: about the size of a stored answer with its headers.
+FLOOR_REDIS_KEY = "bench:floor"
+FLOOR_REDIS_VALUE = NOTE_ANSWER * 6
+
+
+@functools.cache
+def redis_client() -> redis.Redis[bytes]:
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def floor_redis(request: HttpRequest) -> HttpResponse:
+    """The bare POST after one Redis GET: the fastest a replay kept in Redis can be answered."""
+    client = redis_client()
+    if client.get(FLOOR_REDIS_KEY) is None:
+        client.set(FLOOR_REDIS_KEY, FLOOR_REDIS_VALUE)
+    return bare_post(request)
+
+
+@transaction.non_atomic_requests
+def floor_database(request: HttpRequest) -> HttpResponse:
+    """The bare POST after one read by primary key, outside a transaction (as a replay's read
+    is): the fastest a replay kept in PostgreSQL can be answered."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT title, body, done FROM bench_notes_note WHERE id = %s", [1])
+        cursor.fetchone()
+    return bare_post(request)
+
+
+#: The claim: a new key's row, committed on its own before the view, without waiting for its
+#: WAL flush (the business commit after it flushes it).
+FLOOR_CLAIM = (
+    "INSERT INTO bench_notes_floorclaim (key, done) SELECT %s, false "
+    "WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL RETURNING id"
+)
+#: The completion, inside the business transaction.
+FLOOR_COMPLETE = "UPDATE bench_notes_floorclaim SET done = true WHERE id = %s"
+
+
+class FloorNoteView(PlainNoteView):
+    """The plain note create with a claim committed before it and completed in its transaction:
+    two more statements and one more commit, with no idempotency layer's code. The fastest a
+    first-time key can be served with that guarantee (a claim that holds the key before the
+    view runs, its answer stored with the business data or not at all)."""
+
+    @classmethod
+    def as_view(cls, **initkwargs: Any) -> Any:
+        return transaction.non_atomic_requests(super().as_view(**initkwargs))
+
+    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        with connection.cursor() as cursor:
+            cursor.execute(FLOOR_CLAIM, [request.headers["Idempotency-Key"]])
+            (claim,) = cursor.fetchone()
+        with transaction.atomic():
+            response = super().dispatch(request, *args, **kwargs)
+            with connection.cursor() as cursor:
+                cursor.execute(FLOOR_COMPLETE, [claim])
+        return response

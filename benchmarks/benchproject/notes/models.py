@@ -10,3 +10,15 @@ class Note(models.Model):
 
     def __str__(self) -> str:
         return self.title
+
+
+class FloorClaim(models.Model):
+    """A key claimed by the first-time floor view (``views.FloorNoteView``): the least a claim
+    committed before the view and completed inside its transaction writes, one unique column
+    and a flag, with no idempotency library's code around it."""
+
+    key = models.CharField(max_length=255, unique=True)
+    done = models.BooleanField(default=False)
+
+    def __str__(self) -> str:
+        return self.key
