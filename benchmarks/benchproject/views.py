@@ -114,18 +114,19 @@ def floor_database(request: HttpRequest) -> HttpResponse:
 #: The claim: a new key's row, committed on its own before the view, without waiting for its
 #: WAL flush (the business commit after it flushes it).
 FLOOR_CLAIM = (
-    "INSERT INTO bench_notes_floorclaim (key, done) SELECT %s, false "
+    "INSERT INTO bench_notes_floorclaim (key) SELECT %s "
     "WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL RETURNING id"
 )
-#: The completion, inside the business transaction.
-FLOOR_COMPLETE = "UPDATE bench_notes_floorclaim SET done = true WHERE id = %s"
+#: The completion, inside the business transaction: the answer a retry gets.
+FLOOR_COMPLETE = "UPDATE bench_notes_floorclaim SET status = %s, body = %s WHERE id = %s"
 
 
 class FloorNoteView(PlainNoteView):
-    """The plain note create with a claim committed before it and completed in its transaction:
-    two more statements and one more commit, with no idempotency layer's code. The fastest a
-    first-time key can be served with that guarantee (a claim that holds the key before the
-    view runs, its answer stored with the business data or not at all)."""
+    """The plain note create with a claim committed before it and completed in its transaction
+    (the answer stored with the note): two more statements and one more commit, with no
+    idempotency layer's code. The fastest a first-time key can be served with that guarantee (a
+    claim that holds the key before the view runs, its answer stored with the business data or
+    not at all)."""
 
     @classmethod
     def as_view(cls, **initkwargs: Any) -> Any:
@@ -137,6 +138,7 @@ class FloorNoteView(PlainNoteView):
             (claim,) = cursor.fetchone()
         with transaction.atomic():
             response = super().dispatch(request, *args, **kwargs)
+            response.render()  # type: ignore[attr-defined]
             with connection.cursor() as cursor:
-                cursor.execute(FLOOR_COMPLETE, [claim])
+                cursor.execute(FLOOR_COMPLETE, [response.status_code, response.content, claim])
         return response

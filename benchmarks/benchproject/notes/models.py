@@ -14,11 +14,12 @@ class Note(models.Model):
 
 class FloorClaim(models.Model):
     """A key claimed by the first-time floor view (``views.FloorNoteView``): the least a claim
-    committed before the view and completed inside its transaction writes, one unique column
-    and a flag, with no idempotency library's code around it."""
+    committed before the view and completed inside its transaction writes, the key (unique)
+    and, at completion, the answer a retry gets, with no idempotency library's code around it."""
 
     key = models.CharField(max_length=255, unique=True)
-    done = models.BooleanField(default=False)
+    status = models.PositiveSmallIntegerField(null=True)
+    body = models.BinaryField(null=True)
 
     def __str__(self) -> str:
         return self.key

@@ -10,7 +10,8 @@ class Migration(migrations.Migration):
             fields=[
                 ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
                 ("key", models.CharField(max_length=255, unique=True)),
-                ("done", models.BooleanField(default=False)),
+                ("status", models.PositiveSmallIntegerField(null=True)),
+                ("body", models.BinaryField(null=True)),
             ],
         ),
     ]
