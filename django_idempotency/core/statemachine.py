@@ -17,6 +17,7 @@ import enum
 import math
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Protocol
 
 __all__ = [
     "ACCEPTED",
@@ -24,6 +25,7 @@ __all__ = [
     "HELD",
     "PROCESSING",
     "RecordState",
+    "StoredState",
     "Verdict",
     "is_expired",
     "judge",
@@ -40,6 +42,20 @@ COMPLETED = "COMPLETED"
 ACCEPTED = "ACCEPTED"
 #: The statuses in which somebody holds the key under a lease: the request, or its worker.
 HELD = (PROCESSING, ACCEPTED)
+
+
+class StoredState(Protocol):
+    """What the rules read of a stored record: a :class:`RecordState`, or any row that carries
+    these four (the claim's own row, read without building another object per request)."""
+
+    @property
+    def status(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def lease_expires_at(self) -> datetime | None: ...
+    @property
+    def expires_at(self) -> datetime: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +95,7 @@ def lease_running(status: str, lease_expires_at: datetime | None, now: datetime)
     return status in HELD and lease_expires_at is not None and lease_expires_at > now
 
 
-def is_expired(record: RecordState, now: datetime) -> bool:
+def is_expired(record: StoredState, now: datetime) -> bool:
     """Past its TTL and not held by a running lease: a claim treats the record as absent.
 
     A slow request keeps its record however old it is; the TTL never cuts a lease short.
@@ -90,7 +106,7 @@ def is_expired(record: RecordState, now: datetime) -> bool:
 
 
 def judge(
-    record: RecordState | None, fingerprint: str, now: datetime, *, owner_gone: bool = False
+    record: StoredState | None, fingerprint: str, now: datetime, *, owner_gone: bool = False
 ) -> Verdict:
     """The verdict for a request with ``fingerprint`` that finds ``record`` at time ``now``.
 

@@ -22,16 +22,23 @@ from __future__ import annotations
 import uuid
 
 from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency.conf import conf
 from django_idempotency.db import mysql, postgresql
 
-__all__ = ["enabled", "hold", "let_go", "lock_id", "lock_name", "owner_gone"]
+__all__ = ["enabled", "enabled_on", "hold", "let_go", "lock_id", "lock_name", "owner_gone"]
 
 
 def enabled(using: str) -> bool:
     """Whether requests on this database hold owner locks."""
-    return conf.TAKE_OVER_DEAD_OWNERS and connections[using].vendor in ("postgresql", "mysql")
+    return enabled_on(connections[using])
+
+
+def enabled_on(connection: BaseDatabaseWrapper) -> bool:
+    """:func:`enabled`, for a caller that holds the connection already (looking one up by its
+    alias costs more than the answer)."""
+    return conf.TAKE_OVER_DEAD_OWNERS and connection.vendor in ("postgresql", "mysql")
 
 
 def lock_id(owner_token: uuid.UUID) -> int:

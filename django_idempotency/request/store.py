@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from django.db import IntegrityError, connections, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -41,7 +41,6 @@ from django_idempotency.core.statemachine import (
     ACCEPTED,
     COMPLETED,
     PROCESSING,
-    RecordState,
     Verdict,
     is_expired,
     judge,
@@ -102,13 +101,13 @@ def claim(
     ``lease_seconds`` and ``ttl_seconds`` override ``LEASE_SECONDS`` and ``TTL_SECONDS`` for
     this key; the lease granted carries them, so its heartbeat and completion use them too.
     """
-    using = database_alias()
+    connection = connections[database_alias()]
     claim_round = _claim_portable
-    if connections[using].vendor == "postgresql":
+    if connection.vendor == "postgresql":
         claim_round = _claim_partitioned if conf.RECORD_PARTITIONS else _claim_postgresql
     terms = _Terms(lease_seconds, ttl_seconds)
     for _ in range(CLAIM_ROUNDS):
-        decision = claim_round(identity, using, owner_token, terms)
+        decision = claim_round(identity, connection, owner_token, terms)
         if decision is not None:
             return decision
     return Conflict(retry_after=1)
@@ -150,16 +149,47 @@ class _Terms:
         )
 
 
+class _Found(NamedTuple):
+    """A claimed or judged record, as the claim reads it: only what a decision, a replay or a
+    lease needs, in the order the claim statement returns it. A tuple rather than a model
+    instance: building the model (all its columns, ``__init__`` and its signal) cost more than
+    the decision that reads it, on every replay."""
+
+    pk: Any
+    status: str
+    fingerprint: str
+    owner_token: uuid.UUID
+    lease_expires_at: datetime | None
+    expires_at: datetime
+    attempts: int
+    response_status: int | None
+    response_headers: Any
+    response_body: bytes | None
+    response_retained: bool
+
+    @classmethod
+    def of(cls, record: IdempotencyRecord) -> _Found:
+        return cls(*(getattr(record, name) for name in cls._fields))
+
+
+@functools.cache
+def _found_columns() -> tuple[str, ...]:
+    """The columns of :class:`_Found`'s fields, in its order."""
+    return tuple(
+        str(IdempotencyRecord._meta.pk.column) if name == "pk" else _column(name)
+        for name in _Found._fields
+    )
+
+
 def _decision(
-    record: IdempotencyRecord | None, identity: Identity, now: datetime, using: str
+    record: _Found | None, identity: Identity, now: datetime, using: str
 ) -> Verdict | Decision:
     """The state machine's verdict, turned into a decision when it needs no write.
 
     A key held by a running lease is asked one more question where owners hold session locks
     (``presence.py``): is its owner still there?
     """
-    state = None if record is None else _state(record)
-    verdict = judge(state, identity.fingerprint, now)
+    verdict = judge(record, identity.fingerprint, now)
     if record is None:
         return verdict
     if (
@@ -167,7 +197,7 @@ def _decision(
         and presence.enabled(using)
         and presence.owner_gone(using, record.owner_token)
     ):
-        verdict = judge(state, identity.fingerprint, now, owner_gone=True)
+        verdict = judge(record, identity.fingerprint, now, owner_gone=True)
     if verdict is Verdict.REPLAY:
         return Replay(_stored(record), expires_in=(record.expires_at - now).total_seconds())
     if verdict is Verdict.HANDED_OFF:
@@ -179,16 +209,7 @@ def _decision(
     return verdict
 
 
-def _state(record: IdempotencyRecord) -> RecordState:
-    return RecordState(
-        status=record.status,
-        fingerprint=record.fingerprint,
-        lease_expires_at=record.lease_expires_at,
-        expires_at=record.expires_at,
-    )
-
-
-def _stored(record: IdempotencyRecord) -> StoredResponse:
+def _stored(record: _Found | IdempotencyRecord) -> StoredResponse:
     body = record.response_body
     headers = record.response_headers
     if isinstance(headers, str):  # a raw cursor reads jsonb as text
@@ -202,7 +223,7 @@ def _stored(record: IdempotencyRecord) -> StoredResponse:
 
 
 def _claim_portable(
-    identity: Identity, using: str, owner_token: uuid.UUID, terms: _Terms
+    identity: Identity, connection: BaseDatabaseWrapper, owner_token: uuid.UUID, terms: _Terms
 ) -> Decision | None:
     """Read the record and the database's time, then INSERT or a fenced takeover UPDATE.
 
@@ -210,13 +231,15 @@ def _claim_portable(
     but happens in tests and under ATOMIC_REQUESTS) the read locks, because MariaDB's
     REPEATABLE READ snapshot would otherwise hide a row another request just committed.
     """
+    using = connection.alias
     record, now = _read_with_time(identity, using)
-    verdict = _decision(record, identity, now, using)
+    verdict = _decision(None if record is None else _Found.of(record), identity, now, using)
     if not isinstance(verdict, Verdict):
         return verdict
     if verdict is Verdict.TAKE_OVER_DEAD_OWNER:
         assert record is not None
-        return _take_over_dead_owner(identity, using, owner_token, record, now, terms)
+        found = _Found.of(record)
+        return _take_over_dead_owner(identity, using, owner_token, found, now, terms)
     lease_expires_at = now + timedelta(seconds=terms.lease_seconds)
     values = {
         "fingerprint": identity.fingerprint,
@@ -301,7 +324,7 @@ def _take_over_dead_owner(
     identity: Identity,
     using: str,
     owner_token: uuid.UUID,
-    record: IdempotencyRecord,
+    record: _Found,
     now: datetime,
     terms: _Terms,
 ) -> Decision | None:
@@ -387,9 +410,9 @@ def _converters(using: str) -> list[tuple[Any, list[Any]]]:
 
 @functools.cache
 def _concrete_names() -> tuple[str, ...]:
-    """The record's fields in column order: what the claim statement returns, and in what order
-    (known from its text, so never read from ``cursor.description``, which builds a column
-    object with its type looked up for every column of every claim)."""
+    """The record's fields in column order: what the portable claim's read returns, and in what
+    order (known from its text, so never read from ``cursor.description``, which builds a
+    column object with its type looked up for every column of every claim)."""
     return tuple(field.attname for field in IdempotencyRecord._meta.concrete_fields)
 
 
@@ -404,12 +427,12 @@ def _statement_savepoint(using: str) -> Iterator[None]:
 
 
 def _claim_postgresql(
-    identity: Identity, using: str, owner_token: uuid.UUID, terms: _Terms
+    identity: Identity, connection: BaseDatabaseWrapper, owner_token: uuid.UUID, terms: _Terms
 ) -> Decision | None:
     """One statement (``db/postgresql.py``): claimed, or the row and the time to judge it by."""
-    connection = connections[using]
+    using = connection.alias
     params = _claim_params(identity, owner_token, terms)
-    owner_lock = presence.enabled(using)
+    owner_lock = presence.enabled_on(connection)
     # A plain cursor rather than .raw(): this runs on every write request, and building the row
     # by hand costs a fraction of RawQuerySet's column resolution. Binary results: the row's
     # timestamps, token and body decode without parsing text.
@@ -421,7 +444,7 @@ def _claim_postgresql(
 
 
 def _claim_partitioned(
-    identity: Identity, using: str, owner_token: uuid.UUID, terms: _Terms
+    identity: Identity, connection: BaseDatabaseWrapper, owner_token: uuid.UUID, terms: _Terms
 ) -> Decision | None:
     """The claim on a records table partitioned by day (``RECORD_PARTITIONS``): the key's lock,
     then the claim statement, each with its own snapshot (``pg.KEY_LOCK_STEP`` says why),
@@ -431,9 +454,9 @@ def _claim_partitioned(
     A claim whose time falls in no partition fails with :class:`PartitionMissing`, having
     written nothing: there is no default partition for it to land in unseen.
     """
-    connection = connections[using]
+    using = connection.alias
     params = _claim_params(identity, owner_token, terms)
-    owner_lock, own_transaction = presence.enabled(using), not connection.in_atomic_block
+    owner_lock, own_transaction = presence.enabled_on(connection), not connection.in_atomic_block
     call = _claim_function(using, owner_lock, own_transaction)
     try:
         with prepared.cursor(connection, binary=True) as cursor:
@@ -516,7 +539,7 @@ def _claim_function_text(
             [connection.ops.quote_name(IdempotencyRecord._meta.db_table)],
         )
         column_types = dict(cursor.fetchall())
-    returned = [(_column(name), column_types[_column(name)]) for name in _concrete_names()]
+    returned = [(column, column_types[column]) for column in _found_columns()]
     returned += [
         ("claimed", "boolean"),
         ("database_now", "timestamp with time zone"),
@@ -556,13 +579,13 @@ def _claimed_or_judged(
     terms: _Terms,
     row: Any,
 ) -> Decision | None:
-    """The claim statement's row (the record's columns, then whether it claimed, the database's
-    time and whether it took the owner lock): the lease it won, or the state machine's decision
-    on it."""
+    """The claim statement's row (:class:`_Found`'s columns, then whether it claimed, the
+    database's time and whether it took the owner lock): the lease it won, or the state
+    machine's decision on it."""
     if row is None:
         return None
     *columns, claimed, now, held = row
-    record = IdempotencyRecord.from_db(using, _concrete_names(), columns)
+    record = _Found(*columns)
     if claimed:
         assert record.lease_expires_at is not None  # a claimed record always has a lease
         lease = terms.lease_for(
@@ -616,7 +639,7 @@ def _postgresql_claim_text(
         _CLAIM_COLUMNS,
         column_types={name: str(_field(name).db_type(connection)) for name in _CLAIM_COLUMNS},
         literals=_CLAIM_LITERALS,
-        returned=[quote(_column(name)) for name in _concrete_names()],
+        returned=[quote(column) for column in _found_columns()],
         owner_lock=owner_lock,
         asynchronous_commit=own_transaction,
         partitioned=partitioned,
@@ -660,7 +683,7 @@ def read(scope: str, key: str) -> KeyState | None:
     using = database_alias()
     now = database_now(using)
     record = IdempotencyRecord.objects.using(using).for_key(scope, key).first()
-    if record is None or is_expired(_state(record), now):
+    if record is None or is_expired(record, now):
         return None
     completed = record.status == COMPLETED
     return KeyState(
