@@ -233,12 +233,12 @@ def _claim_portable(
     """
     using = connection.alias
     record, now = _read_with_time(identity, using)
-    verdict = _decision(None if record is None else _Found.of(record), identity, now, using)
+    found = None if record is None else _Found.of(record)
+    verdict = _decision(found, identity, now, using)
     if not isinstance(verdict, Verdict):
         return verdict
     if verdict is Verdict.TAKE_OVER_DEAD_OWNER:
-        assert record is not None
-        found = _Found.of(record)
+        assert found is not None
         return _take_over_dead_owner(identity, using, owner_token, found, now, terms)
     lease_expires_at = now + timedelta(seconds=terms.lease_seconds)
     values = {
