@@ -183,13 +183,32 @@ class PrivateServer:
         self.start()
 
     def pause(self) -> None:
-        """SIGSTOP: connected clients get no answer at all (a server that hangs)."""
+        """SIGSTOP: connected clients get no answer at all (a server that hangs).
+
+        Returns once every thread of the server is stopped: the signal is delivered
+        asynchronously, and a thread still running on the other core could otherwise answer
+        what the test sends right after."""
         assert self.process is not None
         os.killpg(self.process.pid, signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        deadline = time.monotonic() + 5
+        while not all(_stopped(task) for task in tasks.iterdir()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("nats-server did not stop on SIGSTOP")
+            time.sleep(0.01)
 
     def resume(self) -> None:
         assert self.process is not None
         os.killpg(self.process.pid, signal.SIGCONT)
+
+
+def _stopped(task: Path) -> bool:
+    """Whether a thread (``/proc/<pid>/task/<tid>``) is stopped by a signal; gone counts."""
+    try:
+        state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("T", "t")
 
 
 @contextlib.contextmanager
