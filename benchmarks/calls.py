@@ -50,7 +50,9 @@ VARIANTS = {
 PATHS = ("plain", "first", "replay", "get", "post")
 #: The floors (``benchproject.views``): what any layer must do at the least, with no layer's
 #: code; the same for every variant, so counted in the database variant's process only.
-FLOOR_PATHS = ("floor-redis", "floor-database", "floor-first")
+FLOOR_PATHS = (
+    "floor-redis", "floor-database", "floor-first", "floor-drf-redis", "floor-drf-database"
+)  # fmt: skip
 #: Paths a variant cannot serve: django-idempotency-key's middleware refuses any POST without a
 #: key, the plain create included. The bare POST (a replay's request answered by a view that does
 #: nothing) is ours alone: the peers' middleware would guard it.
@@ -131,6 +133,8 @@ def child(variant: str, requests: int, dump: str | None) -> None:
         "post": lambda: environ("POST", "/post/", NOTE, replay_keys[0], authorization),
         "floor-redis": lambda: environ("POST", "/floor/redis/", NOTE, replay_keys[0]),
         "floor-database": lambda: environ("POST", "/floor/database/", NOTE, replay_keys[0]),
+        "floor-drf-redis": lambda: environ("POST", "/floor/drf/redis/", NOTE, replay_keys[0]),
+        "floor-drf-database": lambda: environ("POST", "/floor/drf/database/", NOTE, replay_keys[0]),
         "floor-first": lambda: environ(
             "POST", "/floor/notes/", NOTE, f"c-{prefix}-{next(counter)}"
         ),
@@ -233,8 +237,10 @@ def table(results: list[dict[str, Any]]) -> str:
             "Floors, what any layer must do at the least with no layer's code (calls, CPU ms):",
             "",
             "| Redis floor: bare POST + one GET | database floor: bare POST + one SELECT "
-            "| first-time floor: plain create + claim + completion |",
-            "|---:|---:|---:|",
+            "| first-time floor: plain create + claim + completion "
+            "| DRF Redis floor: DRF authentication + one GET "
+            "| DRF database floor: DRF authentication + one SELECT |",
+            "|---:|---:|---:|---:|---:|",
             "| "
             + " | ".join(
                 f"{floors[path]['calls']:,.0f} ({floors[path]['cpu_ms']:.2f})"

@@ -176,12 +176,69 @@ FLOORS = [
         "floor-first",
         baseline=NOTES,
     ),
+    # A layer inside DRF's view (a mixin) knows the caller, its keys' scope, only after DRF's
+    # request and authentication: these two floors pay for those, and for nothing else of DRF's.
+    Row(
+        "floor: DRF authentication + one Redis GET (a replay from Redis, inside DRF)",
+        "ours",
+        Endpoint("DRF Redis floor", "/floor/drf/redis/", "/floor/drf/redis/", "note"),
+        "replay",
+        "floor-drf-redis",
+    ),
+    Row(
+        "floor: DRF authentication + one indexed SELECT (a replay from the database, inside DRF)",
+        "ours",
+        Endpoint("DRF database floor", "/floor/drf/database/", "/floor/drf/database/", "note"),
+        "replay",
+        "floor-drf-db",
+    ),
 ]
 ROWS = [*endpoint_rows(PAYMENTS), *endpoint_rows(NOTES), CEILING, BARE_POST, *FLOORS]
 #: Groups compared with the ceiling ("× ceiling").
-AGAINST_CEILING = ("ceiling-post", "floor-redis", "floor-db")
+AGAINST_CEILING = ("ceiling-post", "floor-redis", "floor-db", "floor-drf-redis", "floor-drf-db")
 #: Groups that are a baseline themselves: no added latency to report.
-BASELINES = ("plain", "ceiling", "ceiling-post", "floor-redis", "floor-db")
+BASELINES = ("plain", "ceiling", "ceiling-post", *AGAINST_CEILING[1:])
+#: Our notes rows and the floors each is held to ("ours / floor"): the layer's own distance from
+#: the least its guarantee costs, which the host's speed moves far less than "× ceiling".
+AGAINST_FLOORS = {
+    "notes: ours, replays, database": (
+        "floor: bare POST + one indexed SELECT (a replay from the database)",
+        "floor: DRF authentication + one indexed SELECT (a replay from the database, inside DRF)",
+    ),
+    "notes: ours, replays, Redis": (
+        "floor: bare POST + one Redis GET (a replay from Redis)",
+        "floor: DRF authentication + one Redis GET (a replay from Redis, inside DRF)",
+    ),
+    "notes: ours, middleware, replays, Redis": (
+        "floor: bare POST + one Redis GET (a replay from Redis)",
+    ),
+    **dict.fromkeys(
+        (
+            "notes: ours, first-time, database",
+            "notes: ours, first-time, Redis",
+            "notes: ours, middleware, first-time, Redis",
+        ),
+        ("floor: notes plain + a claim committed before it, completed in it (first-time)",),
+    ),
+}
+
+
+def measuring_order() -> list[Row]:
+    """The rows in the order a round measures them: each floor right after the first of our
+    rows held to it, so that a row and its floor run seconds apart, not minutes (this host's
+    speed drifts within a round). Rotated each round, which keeps them next to each other."""
+    floors = {row.label: row for row in FLOORS}
+    order: list[Row] = []
+    for row in ROWS:
+        if row in FLOORS:
+            continue
+        order.append(row)
+        for label in AGAINST_FLOORS.get(row.label, ()):
+            if floors.get(label) is not None:
+                order.append(floors.pop(label))
+    return order + list(floors.values())
+
+
 VARIANTS = [
     "ours", "ours-redis", "ours-memory", "ours-middleware", "drfi-db", "drfi-redis", "dik", "drfik"
 ]  # fmt: skip
@@ -492,6 +549,42 @@ def summarise(
     return summary
 
 
+def against_floors(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each of our notes rows over each of its floors, round by round (the two measured seconds
+    apart, ``measuring_order``), and the median of those ratios: steadier than the ratio of
+    the two rows' medians, which may come from different rounds."""
+    compared = []
+    for label, floors in AGAINST_FLOORS.items():
+        for floor in floors:
+            rounds = [
+                ours["rps"] / base["rps"]
+                for ours, base in zip(results[label], results[floor], strict=True)
+                if base["rps"]
+            ]
+            if rounds:
+                compared.append(
+                    {
+                        "row": label,
+                        "floor": floor,
+                        "rounds": rounds,
+                        "median": statistics.median(rounds),
+                    }
+                )
+    return compared
+
+
+def floors_table(compared: list[dict[str, Any]]) -> str:
+    lines = [
+        "| our row | floor | ours / floor, median of rounds | rounds |",
+        "|---|---|---:|---|",
+    ]
+    for item in compared:
+        rounds = ", ".join(f"{ratio:.2f}" for ratio in item["rounds"])
+        floor = item["floor"].removeprefix("floor: ")
+        lines.append(f"| {item['row']} | {floor} | {item['median']:.2f} | {rounds} |")
+    return "\n".join(lines)
+
+
 def table(summary: list[dict[str, Any]], duplicates: dict[str, int]) -> str:
     lines = [
         "| row | req/s | × plain | × ceiling | p50 ms | p99 ms | p99 added ms | app CPU ms/req "
@@ -580,8 +673,9 @@ def main() -> int:
         results: dict[str, list[dict[str, Any]]] = {row.label: [] for row in ROWS}
         for round_number in range(args.rounds):
             # Rotate the order each round, so no row always runs first or last.
-            shift = round_number % len(ROWS)
-            for row in ROWS[shift:] + ROWS[:shift]:
+            order = measuring_order()
+            shift = round_number % len(order)
+            for row in order[shift:] + order[:shift]:
                 result = wrk(servers[row.server], row, args, args.duration, (database, count_dir))
                 results[row.label].append(result)
                 print(f"round {round_number + 1}/{args.rounds}: {row.label}: "
@@ -593,6 +687,7 @@ def main() -> int:
         database.close()
         shutil.rmtree(count_dir, ignore_errors=True)
     summary = summarise(results, commits)
+    compared = against_floors(results)
     report = {
         "machine": machine(),
         "load_average_before": load_before,
@@ -600,12 +695,15 @@ def main() -> int:
         "settings": {k: v for k, v in vars(args).items() if k != "output"}
         | {"body": BODY, "note_body": NOTE_BODY},
         "summary": summary,
+        "against_floors": compared,
         "duplicates": duplicates,
         "raw": results,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2, default=str))
     print(table(summary, duplicates))
+    print("\nOur rows against their floors, each round's pair measured seconds apart:\n")
+    print(floors_table(compared))
     print(f"\nmachine: {report['machine']}; load average before {load_before}, "
           f"after {report['load_average_after']}; raw results in {args.output}")  # fmt: skip
     if args.smoke:
