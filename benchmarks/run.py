@@ -153,90 +153,75 @@ BARE_POST = Row(
 )
 #: What any idempotency layer must do at the least, done by a view with no layer's code
 #: (``benchproject.views``): no layer can pass its floor on the same machine.
-FLOORS = [
-    Row(
-        "floor: bare POST + one Redis GET (a replay from Redis)",
-        "ours",
-        Endpoint("Redis floor", "/floor/redis/", "/floor/redis/", "note"),
-        "replay",
-        "floor-redis",
-    ),
-    Row(
-        "floor: bare POST + one indexed SELECT (a replay from the database)",
-        "ours",
-        Endpoint("database floor", "/floor/database/", "/floor/database/", "note"),
-        "replay",
-        "floor-db",
-    ),
-    Row(
-        "floor: notes plain + a claim committed before it, completed in it (first-time)",
-        "ours",
-        Endpoint("first-time floor", "/floor/notes/", "/floor/notes/", "note"),
-        "first",
-        "floor-first",
-        baseline=NOTES,
-    ),
-    # A layer inside DRF's view (a mixin) knows the caller, its keys' scope, only after DRF's
-    # request and authentication: these two floors pay for those, and for nothing else of DRF's.
-    Row(
-        "floor: DRF authentication + one Redis GET (a replay from Redis, inside DRF)",
-        "ours",
-        Endpoint("DRF Redis floor", "/floor/drf/redis/", "/floor/drf/redis/", "note"),
-        "replay",
-        "floor-drf-redis",
-    ),
-    Row(
-        "floor: DRF authentication + one indexed SELECT (a replay from the database, inside DRF)",
-        "ours",
-        Endpoint("DRF database floor", "/floor/drf/database/", "/floor/drf/database/", "note"),
-        "replay",
-        "floor-drf-db",
-    ),
-]
+REDIS_FLOOR = Row(
+    "floor: bare POST + one Redis GET (a replay from Redis)",
+    "ours",
+    Endpoint("Redis floor", "/floor/redis/", "/floor/redis/", "note"),
+    "replay",
+    "floor-redis",
+)
+DATABASE_FLOOR = Row(
+    "floor: bare POST + one indexed SELECT (a replay from the database)",
+    "ours",
+    Endpoint("database floor", "/floor/database/", "/floor/database/", "note"),
+    "replay",
+    "floor-db",
+)
+FIRST_TIME_FLOOR = Row(
+    "floor: notes plain + a claim committed before it, completed in it (first-time)",
+    "ours",
+    Endpoint("first-time floor", "/floor/notes/", "/floor/notes/", "note"),
+    "first",
+    "floor-first",
+    baseline=NOTES,
+)
+# A layer inside DRF's view (a mixin) knows the caller, its keys' scope, only after DRF's
+# request and authentication: these two floors pay for those, and for nothing else of DRF's.
+DRF_REDIS_FLOOR = Row(
+    "floor: DRF authentication + one Redis GET (a replay from Redis, inside DRF)",
+    "ours",
+    Endpoint("DRF Redis floor", "/floor/drf/redis/", "/floor/drf/redis/", "note"),
+    "replay",
+    "floor-drf-redis",
+)
+DRF_DATABASE_FLOOR = Row(
+    "floor: DRF authentication + one indexed SELECT (a replay from the database, inside DRF)",
+    "ours",
+    Endpoint("DRF database floor", "/floor/drf/database/", "/floor/drf/database/", "note"),
+    "replay",
+    "floor-drf-db",
+)
+FLOORS = [REDIS_FLOOR, DATABASE_FLOOR, FIRST_TIME_FLOOR, DRF_REDIS_FLOOR, DRF_DATABASE_FLOOR]
 ROWS = [*endpoint_rows(PAYMENTS), *endpoint_rows(NOTES), CEILING, BARE_POST, *FLOORS]
 #: Groups compared with the ceiling ("× ceiling").
 AGAINST_CEILING = ("ceiling-post", "floor-redis", "floor-db", "floor-drf-redis", "floor-drf-db")
 #: Groups that are a baseline themselves: no added latency to report.
 BASELINES = ("plain", "ceiling", "ceiling-post", *AGAINST_CEILING[1:])
-#: Our notes rows and the floors each is held to ("ours / floor"): the layer's own distance from
-#: the least its guarantee costs, which the host's speed moves far less than "× ceiling".
-AGAINST_FLOORS = {
-    "notes: ours, replays, database": (
-        "floor: bare POST + one indexed SELECT (a replay from the database)",
-        "floor: DRF authentication + one indexed SELECT (a replay from the database, inside DRF)",
-    ),
-    "notes: ours, replays, Redis": (
-        "floor: bare POST + one Redis GET (a replay from Redis)",
-        "floor: DRF authentication + one Redis GET (a replay from Redis, inside DRF)",
-    ),
-    "notes: ours, middleware, replays, Redis": (
-        "floor: bare POST + one Redis GET (a replay from Redis)",
-    ),
-    **dict.fromkeys(
-        (
-            "notes: ours, first-time, database",
-            "notes: ours, first-time, Redis",
-            "notes: ours, middleware, first-time, Redis",
-        ),
-        ("floor: notes plain + a claim committed before it, completed in it (first-time)",),
-    ),
+#: Our notes rows (by label) and the floors each is held to ("ours / floor"): the layer's own
+#: distance from the least its guarantee costs, which the host's speed moves far less than
+#: "× ceiling".
+AGAINST_FLOORS: dict[str, tuple[Row, ...]] = {
+    "notes: ours, replays, database": (DATABASE_FLOOR, DRF_DATABASE_FLOOR),
+    "notes: ours, replays, Redis": (REDIS_FLOOR, DRF_REDIS_FLOOR),
+    "notes: ours, middleware, replays, Redis": (REDIS_FLOOR,),
+    "notes: ours, first-time, database": (FIRST_TIME_FLOOR,),
+    "notes: ours, first-time, Redis": (FIRST_TIME_FLOOR,),
+    "notes: ours, middleware, first-time, Redis": (FIRST_TIME_FLOOR,),
 }
+if not set(AGAINST_FLOORS) <= {row.label for row in ROWS}:  # a renamed row, caught at import
+    raise RuntimeError(f"AGAINST_FLOORS names rows that do not exist: {set(AGAINST_FLOORS)}")
 
 
 def measuring_order() -> list[Row]:
     """The rows in the order a round measures them: each floor right after the first of our
     rows held to it, so that a row and its floor run seconds apart, not minutes (this host's
     speed drifts within a round). Rotated each round, which keeps them next to each other."""
-    floors = {row.label: row for row in FLOORS}
     order: list[Row] = []
     for row in ROWS:
-        if row in FLOORS:
-            continue
-        order.append(row)
-        for label in AGAINST_FLOORS.get(row.label, ()):
-            if floors.get(label) is not None:
-                order.append(floors.pop(label))
-    return order + list(floors.values())
+        if row not in FLOORS:
+            order.append(row)
+            order += [floor for floor in AGAINST_FLOORS.get(row.label, ()) if floor not in order]
+    return order + [floor for floor in FLOORS if floor not in order]
 
 
 VARIANTS = [
@@ -558,14 +543,14 @@ def against_floors(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, A
         for floor in floors:
             rounds = [
                 ours["rps"] / base["rps"]
-                for ours, base in zip(results[label], results[floor], strict=True)
+                for ours, base in zip(results[label], results[floor.label], strict=True)
                 if base["rps"]
             ]
             if rounds:
                 compared.append(
                     {
                         "row": label,
-                        "floor": floor,
+                        "floor": floor.label,
                         "rounds": rounds,
                         "median": statistics.median(rounds),
                     }
