@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import threading
 import tracemalloc
 from decimal import Decimal
+from functools import partial
 from typing import Any
 
 import django
@@ -17,6 +19,7 @@ from django.test import RequestFactory, override_settings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from django_idempotency.request import fingerprint
 from django_idempotency.request.fingerprint import (
     canonical_path,
     hand_over_cleanup,
@@ -309,6 +312,58 @@ def test_long_numbers_compare_exactly_on_both_sides_of_the_written_out_limit():
     assert json_fp(b"[1" + b"0" * 4299 + b"]") == json_fp(b"[1e4299]")
 
 
+@pytest.fixture
+def seen_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every JSON body written out canonically: no fingerprint found among those seen."""
+    monkeypatch.setattr(fingerprint, "_SEEN", fingerprint._Seen(entries=0))
+
+
+@pytest.fixture
+def canonical_texts(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The bodies whose canonical JSON is written, in order."""
+    written: list[bytes] = []
+    canonical_json = fingerprint._canonical_json
+
+    def counted(body: bytes) -> bytes:
+        written.append(body)
+        return canonical_json(body)
+
+    monkeypatch.setattr(fingerprint, "_SEEN", fingerprint._Seen(entries=16))
+    monkeypatch.setattr(fingerprint, "_canonical_json", counted)
+    return written
+
+
+def test_a_retry_is_fingerprinted_from_the_bytes_it_repeats(canonical_texts: list[bytes]):
+    """A body seen before, under the same method, path, query and charset, is not parsed and
+    written out again; any difference in what was sent is a new canonical text."""
+    body = b'{"amount": 12.50, "b": [1, 2]}'
+    first = json_fp(body)
+    assert json_fp(body) == first
+    assert canonical_texts == [body]
+    reordered = b'{"b":[1,2],"amount":12.5}'
+    assert json_fp(reordered) == first
+    assert json_fp(body, path="/p/?a=1") != first
+    patch = factory.patch("/p/", body, content_type="application/json")
+    assert request_fingerprint(patch) != first
+    latin = factory.post("/p/", body, content_type="application/json; charset=latin-1")
+    assert request_fingerprint(latin) == first  # JSON detects its own encoding
+    assert canonical_texts == [body, reordered, body, body, body]
+
+
+def test_fingerprints_seen_are_digests_and_bounded():
+    """What is kept is a digest of each request, never its body, and never more than the
+    bound: a full table starts again empty."""
+    seen = fingerprint._Seen(entries=2)
+    for number in range(5):
+        body = b'{"card": "4242 4242 4242 %04d"}' % number
+        hashed = hashlib.sha256(body).digest()
+        assert seen.fingerprint(hashed, hashlib.sha256(), partial(bytes, body)) != ""
+        assert 1 <= len(seen._found) <= 2
+    assert all(len(sent) == 32 and b"4242" not in sent for sent in seen._found)
+    assert all(len(found) == 64 for found in seen._found.values())
+
+
+@pytest.mark.usefixtures("seen_nothing")
 def test_threads_sharing_the_canonical_json_reader_get_one_answer():
     """The JSON decoder and encoder are made once per process and shared by every thread."""
     body = json.dumps({"amount": 12.50, "rate": 1e-3, "n": [1.0, 2, "2.0"], "x": "NaN"})

@@ -14,8 +14,7 @@ Prepared statements belong to the session: behind a pooler that does not keep se
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from functools import cache
 from typing import Any
 
@@ -30,30 +29,53 @@ __all__ = ["cursor"]
 _ONLY_WHEN_ASKED = 2**31 - 1
 
 
-@contextmanager
-def cursor(connection: BaseDatabaseWrapper, *, binary: bool = False) -> Iterator[Any]:
+def cursor(connection: BaseDatabaseWrapper, *, binary: bool = False) -> AbstractContextManager[Any]:
     """A cursor that prepares what it runs, wrapped as Django wraps its own (errors translated,
     queries logged when Django logs them); Django's ordinary cursor when the setting is off, on
-    other backends, or on psycopg2.
+    other backends, or on psycopg2. Use it in a ``with`` block, as Django's own.
 
     The psycopg cursor underneath is kept with the connection and used again by its next
-    statement: opening one per statement (and giving it Django's time zone loader) cost more
-    than binding and running a prepared replay. With ``binary``, results come back in
-    PostgreSQL's binary format, which psycopg decodes without parsing text (timestamps, UUIDs,
-    ``bytea``); ``jsonb`` then comes back decoded, where Django's text format gives a string.
+    statement, and so are its wrappers: opening one per statement (and giving it Django's time
+    zone loader) cost more than binding and running a prepared replay. With ``binary``,
+    results come back in PostgreSQL's binary format, which psycopg decodes without parsing
+    text (timestamps, UUIDs, ``bytea``); ``jsonb`` then comes back decoded, where Django's
+    text format gives a string.
     """
     if not (conf.PREPARED_STATEMENTS and connection.vendor == "postgresql" and _psycopg3()):
-        with connection.cursor() as plain:
-            yield plain
-        return
+        return connection.cursor()
     connection.close_if_health_check_failed()
     connection.ensure_connection()
     with connection.wrap_database_errors:
-        raw = _kept(connection, binary)
-    wrap = _wrappers().debug if connection.queries_logged else _wrappers().plain
+        kept = _kept(connection, binary)
     connection.validate_thread_sharing()
-    # Not closed on the way out (CursorWrapper's __exit__ would): it is kept for the next one.
-    yield wrap(raw, connection)
+    return kept.debug if connection.queries_logged else kept.plain
+
+
+class _Lent(AbstractContextManager[Any]):
+    """A kept cursor's wrapper, lent to one ``with`` block: never closed on the way out (a
+    ``CursorWrapper``'s own ``__exit__`` would close it), since it is kept for the next one."""
+
+    __slots__ = ("wrapper",)
+
+    def __init__(self, wrapper: Any) -> None:
+        self.wrapper = wrapper
+
+    def __enter__(self) -> Any:
+        return self.wrapper
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+class _KeptCursor:
+    """A psycopg cursor kept with its connection, and the two ways it is lent: plain, and
+    logging its statements (when Django logs queries)."""
+
+    __slots__ = ("debug", "plain")
+
+    def __init__(self, raw: Any, connection: BaseDatabaseWrapper) -> None:
+        self.plain = _Lent(_wrappers().plain(raw, connection))
+        self.debug = _Lent(_wrappers().debug(raw, connection))
 
 
 #: The connection wrapper's attribute that keeps its psycopg cursors: the raw connection and
@@ -61,7 +83,7 @@ def cursor(connection: BaseDatabaseWrapper, *, binary: bool = False) -> Iterator
 _KEPT = "_idempotency_prepared_cursors"
 
 
-def _kept(connection: BaseDatabaseWrapper, binary: bool) -> Any:
+def _kept(connection: BaseDatabaseWrapper, binary: bool) -> _KeptCursor:
     """This connection's cursor for the format, opened again after a reconnection or a change
     of ``TIME_ZONE``/``USE_TZ`` (both replace what the cursor was opened for)."""
     raw = connection.connection
@@ -70,10 +92,10 @@ def _kept(connection: BaseDatabaseWrapper, binary: bool) -> Any:
     if kept is None or kept[0] is not raw or kept[1] != timezone:
         kept = (raw, timezone, {})
         setattr(connection, _KEPT, kept)
-    cursors: dict[bool, Any] = kept[2]
+    cursors: dict[bool, _KeptCursor] = kept[2]
     opened = cursors.get(binary)
     if opened is None:
-        opened = cursors[binary] = _open(connection, binary)
+        opened = cursors[binary] = _KeptCursor(_open(connection, binary), connection)
     return opened
 
 

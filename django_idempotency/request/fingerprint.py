@@ -19,6 +19,8 @@ import hashlib
 import json
 import re
 import secrets
+from collections.abc import Callable
+from functools import partial
 from tempfile import SpooledTemporaryFile
 from typing import Any, Final, Literal
 from urllib.parse import parse_qsl, urlencode
@@ -114,10 +116,48 @@ def request_fingerprint(request: HttpRequest, *, max_body: BodyLimit = DJANGO_LI
     if content_type == "application/x-www-form-urlencoded":
         digest.update(_canonical_form(body, request.encoding))
     elif _is_json(content_type):
-        digest.update(_canonical_json(body))
+        # Everything its canonical text depends on, as it came: a retry repeats it byte for byte.
+        sent = hashlib.sha256(
+            f"{request.method}\0{request.path}\0{request.META.get('QUERY_STRING', '')}\0"
+            f"{request.encoding}\0".encode("utf-8", "surrogatepass")
+        )
+        sent.update(body)
+        return _SEEN.fingerprint(sent.digest(), digest, partial(_canonical_json, body))
     else:
         digest.update(b"raw\n" + body)
     return digest.hexdigest()
+
+
+class _Seen:
+    """The fingerprints of the JSON requests this process saw last, by a digest of the request
+    as it came (method, path, query string, charset and body).
+
+    A retry sends the same bytes, so its fingerprint is found here, without its body being
+    parsed and written out canonically again: the costliest step of a replay's fingerprint.
+    Digests only: no body, key or scope is kept. Bounded: when full, it starts again empty,
+    which costs the next requests one canonical text each; with no entries it keeps nothing.
+    """
+
+    def __init__(self, entries: int) -> None:
+        self.entries = entries
+        self._found: dict[bytes, str] = {}
+
+    def fingerprint(self, sent: bytes, digest: Any, canonical: Callable[[], bytes]) -> str:
+        """The fingerprint of the request whose digest as sent is ``sent``: found, or
+        ``digest`` (method and canonical path already in it) finished with ``canonical()``."""
+        found = self._found.get(sent)
+        if found is None:
+            digest.update(canonical())
+            found = digest.hexdigest()
+            if self.entries:
+                if len(self._found) >= self.entries:
+                    self._found = {}  # not clear(): a thread reading the old one may go on
+                self._found[sent] = found
+        return found
+
+
+#: Per process; a few hundred bytes an entry.
+_SEEN = _Seen(entries=4096)
 
 
 def _refuse_above(bound: int | None, size: int) -> None:
