@@ -86,6 +86,8 @@ def test_a_lease_read_in_binary_is_the_time_the_orm_reads(key):
     stored = IdempotencyRecord.objects.get(key=key).lease_expires_at
     assert decision.lease.expires_at == stored
     assert decision.lease.expires_at.utcoffset() == timedelta(0)
+    # The same time zone object too, whichever loader read it (psycopg's own, in UTC).
+    assert decision.lease.expires_at.tzinfo is stored.tzinfo
 
 
 def test_without_use_tz_the_times_are_naive_as_the_orms(key):
