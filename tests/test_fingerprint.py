@@ -1,12 +1,10 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import threading
 import tracemalloc
 from decimal import Decimal
-from functools import partial
 from typing import Any
 
 import django
@@ -19,6 +17,7 @@ from django.test import RequestFactory, override_settings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from django_idempotency.core.bounded import Recently
 from django_idempotency.request import fingerprint
 from django_idempotency.request.fingerprint import (
     canonical_path,
@@ -315,7 +314,7 @@ def test_long_numbers_compare_exactly_on_both_sides_of_the_written_out_limit():
 @pytest.fixture
 def seen_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every JSON body written out canonically: no fingerprint found among those seen."""
-    monkeypatch.setattr(fingerprint, "_SEEN", fingerprint._Seen(entries=0))
+    monkeypatch.setattr(fingerprint, "_SEEN", Recently(entries=0))
 
 
 @pytest.fixture
@@ -328,7 +327,7 @@ def canonical_texts(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
         written.append(body)
         return canonical_json(body)
 
-    monkeypatch.setattr(fingerprint, "_SEEN", fingerprint._Seen(entries=16))
+    monkeypatch.setattr(fingerprint, "_SEEN", Recently(entries=16))
     monkeypatch.setattr(fingerprint, "_canonical_json", counted)
     return written
 
@@ -350,17 +349,23 @@ def test_a_retry_is_fingerprinted_from_the_bytes_it_repeats(canonical_texts: lis
     assert canonical_texts == [body, reordered, body, body, body]
 
 
-def test_fingerprints_seen_are_digests_and_bounded():
+def test_fingerprints_seen_are_digests_and_bounded(monkeypatch: pytest.MonkeyPatch):
     """What is kept is a digest of each request, never its body, and never more than the
     bound: a full table starts again empty."""
-    seen = fingerprint._Seen(entries=2)
+    seen: Recently[bytes, str] = Recently(entries=2)
+    monkeypatch.setattr(fingerprint, "_SEEN", seen)
     for number in range(5):
-        body = b'{"card": "4242 4242 4242 %04d"}' % number
-        hashed = hashlib.sha256(body).digest()
-        assert seen.fingerprint(hashed, hashlib.sha256(), partial(bytes, body)) != ""
-        assert 1 <= len(seen._found) <= 2
-    assert all(len(sent) == 32 and b"4242" not in sent for sent in seen._found)
-    assert all(len(found) == 64 for found in seen._found.values())
+        card = b'{"card": "4242 4242 4242 %04d"}' % number
+        assert json_fp(card) == json_fp(card)
+        assert 1 <= len(seen) <= 2
+    assert all(len(sent) == 32 and b"4242" not in sent for sent in seen._items)
+    assert all(len(found) == 64 for found in seen._items.values())
+
+
+def test_a_table_of_no_entries_keeps_nothing():
+    nothing: Recently[str, int] = Recently(entries=0)
+    nothing.put("a", 1)
+    assert "a" not in nothing and nothing.get("a") is None and len(nothing) == 0
 
 
 @pytest.mark.usefixtures("seen_nothing")

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from datetime import timedelta
 
 import pytest
 from django.db import connection, transaction
 from django.http import HttpResponse
+from django.utils import timezone
 
 from django_idempotency.core import types
-from django_idempotency.request import lifecycle
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.request import lifecycle, recent
 from tests.factories import held_elsewhere
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -29,6 +32,7 @@ COMPLETION = {"postgresql": 1, "sqlite": 1, "mysql": 2}
 CONFLICT = {"postgresql": 2, "sqlite": 1, "mysql": 2}
 # Django logs the business transaction's BEGIN and COMMIT too.
 BEGIN_COMMIT = 2
+STORED = types.StoredResponse(status=201, headers=[], body=b"ok", retained=True)
 
 
 def identity(key: str, fingerprint: str = "f" * 64) -> types.Identity:
@@ -98,6 +102,88 @@ def test_whole_request_through_the_mixin(client, key, django_assert_num_queries)
     with django_assert_num_queries(REPLAY[vendor]):
         again = client.post("/api/widget/", {"name": "n"}, format="json", HTTP_IDEMPOTENCY_KEY=key)
     assert again["Idempotent-Replay"] == "true"
+
+
+def _only_reads(statement: str) -> bool:
+    return statement.startswith("SELECT") and not {"INSERT", "UPDATE", "DELETE"} & set(
+        statement.upper().split()
+    )
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="the claim reads first elsewhere")
+def test_a_key_answered_here_is_read_before_it_is_claimed(key, django_assert_num_queries):
+    """A retry of a key this process completed or replayed is decided by one plain read, not
+    the claim statement; one this process has not answered (another one did) by the claim
+    statement, as a first-time key is. The answer is the same either way."""
+    decision = lifecycle.claim(identity(key))
+    assert isinstance(decision, types.Proceed)
+    lifecycle.run(decision.lease, lambda: HttpResponse(b"ok", status=201))
+    with django_assert_num_queries(REPLAY["postgresql"]) as captured:
+        read = lifecycle.claim(identity(key))
+    assert _only_reads(statements(captured)[0])
+    recent.clear()  # as if another process had answered it
+    with django_assert_num_queries(REPLAY["postgresql"]) as captured:
+        claimed = lifecycle.claim(identity(key))
+    assert statements(captured)[0].startswith("WITH inserted AS")
+    assert isinstance(read, types.Replay) and isinstance(claimed, types.Replay)
+    assert read.response == claimed.response
+    assert read.response.body == b"ok"
+    # The claim's replay noted the key: its next retry is read first again.
+    with django_assert_num_queries(REPLAY["postgresql"]) as captured:
+        assert isinstance(lifecycle.claim(identity(key)), types.Replay)
+    assert _only_reads(statements(captured)[0])
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="the claim reads first elsewhere")
+def test_a_key_answered_here_and_held_or_mismatched_is_refused_from_the_read(
+    key, django_assert_num_queries
+):
+    """A 409 and a 422 need no write either: the read decides them as the claim would (the
+    409 still asks whether the owner is there)."""
+    with held_elsewhere(identity(key)):
+        recent.remember(identity(key), STORED, None)  # answered here before, say
+        with django_assert_num_queries(CONFLICT["postgresql"]) as captured:
+            assert isinstance(lifecycle.claim(identity(key)), types.Conflict)
+        assert _only_reads(statements(captured)[0])
+        with django_assert_num_queries(REPLAY["postgresql"]) as captured:
+            assert isinstance(lifecycle.claim(identity(key, "0" * 64)), types.Mismatch)
+        assert _only_reads(statements(captured)[0])
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="the claim reads first elsewhere")
+@pytest.mark.parametrize("since", ["expired", "released"])
+def test_a_key_answered_here_that_expired_or_was_released_is_claimed_after_the_read(
+    key, since, django_assert_num_queries
+):
+    """A key taken for answered that is not (any more) costs one read more, then is claimed
+    as any first-time key: the hint chooses a statement, the database decides."""
+    decision = lifecycle.claim(identity(key))
+    assert isinstance(decision, types.Proceed)
+    lifecycle.run(decision.lease, lambda: HttpResponse(b"ok", status=201))
+    records = IdempotencyRecord.objects.filter(key=key)
+    if since == "expired":
+        records.update(expires_at=timezone.now() - timedelta(hours=1))
+    else:
+        records.delete()
+    with django_assert_num_queries(1 + FIRST_CLAIM["postgresql"]) as captured:
+        again = lifecycle.claim(identity(key))
+    assert isinstance(again, types.Proceed)
+    first, claim = statements(captured)
+    assert _only_reads(first) and claim.startswith("WITH inserted AS")
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="the claim reads first elsewhere")
+def test_inside_a_transaction_a_key_answered_here_is_claimed_without_the_read(
+    key, django_assert_num_queries
+):
+    """A caller's transaction may hold a snapshot older than the key's answer: the claim
+    statement, which handles that, decides."""
+    decision = lifecycle.claim(identity(key))
+    assert isinstance(decision, types.Proceed)
+    lifecycle.run(decision.lease, lambda: HttpResponse(b"ok", status=201))
+    with transaction.atomic(), django_assert_num_queries(REPLAY["postgresql"]) as captured:
+        assert isinstance(lifecycle.claim(identity(key)), types.Replay)
+    assert statements(captured)[0].startswith("WITH inserted AS")
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="transaction ids are PostgreSQL's")

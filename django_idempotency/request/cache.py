@@ -26,6 +26,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -240,7 +241,8 @@ def _encode(fingerprint: str, stored: StoredResponse, expires_at: float) -> byte
         "s": stored.status,
         "h": stored.headers,
         "r": stored.retained,
-        "x": round(expires_at, 3),
+        # Down to the millisecond, never up: a copy must not outlive its record, by 0.5 ms either.
+        "x": math.floor(expires_at * 1000) / 1000,
     }
     return _COPY + json.dumps(meta, separators=(",", ":")).encode() + b"\n" + stored.body
 

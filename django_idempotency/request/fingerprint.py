@@ -19,8 +19,6 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Callable
-from functools import partial
 from tempfile import SpooledTemporaryFile
 from typing import Any, Final, Literal
 from urllib.parse import parse_qsl, urlencode
@@ -30,6 +28,8 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponseBase, QueryDict
 from django.http.multipartparser import MultiPartParser, MultiPartParserError
 from django.utils.datastructures import MultiValueDict
+
+from django_idempotency.core.bounded import Recently
 
 __all__ = [
     "BodyLimit",
@@ -122,42 +122,23 @@ def request_fingerprint(request: HttpRequest, *, max_body: BodyLimit = DJANGO_LI
             f"{request.encoding}\0".encode("utf-8", "surrogatepass")
         )
         sent.update(body)
-        return _SEEN.fingerprint(sent.digest(), digest, partial(_canonical_json, body))
+        seen = sent.digest()
+        found = _SEEN.get(seen)
+        if found is None:
+            digest.update(_canonical_json(body))
+            found = digest.hexdigest()
+            _SEEN.put(seen, found)
+        return found
     else:
         digest.update(b"raw\n" + body)
     return digest.hexdigest()
 
 
-class _Seen:
-    """The fingerprints of the JSON requests this process saw last, by a digest of the request
-    as it came (method, path, query string, charset and body).
-
-    A retry sends the same bytes, so its fingerprint is found here, without its body being
-    parsed and written out canonically again: the costliest step of a replay's fingerprint.
-    Digests only: no body, key or scope is kept. Bounded: when full, it starts again empty,
-    which costs the next requests one canonical text each; with no entries it keeps nothing.
-    """
-
-    def __init__(self, entries: int) -> None:
-        self.entries = entries
-        self._found: dict[bytes, str] = {}
-
-    def fingerprint(self, sent: bytes, digest: Any, canonical: Callable[[], bytes]) -> str:
-        """The fingerprint of the request whose digest as sent is ``sent``: found, or
-        ``digest`` (method and canonical path already in it) finished with ``canonical()``."""
-        found = self._found.get(sent)
-        if found is None:
-            digest.update(canonical())
-            found = digest.hexdigest()
-            if self.entries:
-                if len(self._found) >= self.entries:
-                    self._found = {}  # not clear(): a thread reading the old one may go on
-                self._found[sent] = found
-        return found
-
-
-#: Per process; a few hundred bytes an entry.
-_SEEN = _Seen(entries=4096)
+#: The fingerprints of the JSON requests this process saw last, by a digest of the request as
+#: it came (method, path, query string, charset and body): a retry sends the same bytes, so its
+#: fingerprint is found here without its body being parsed and written out canonically again,
+#: the costliest step of a replay's fingerprint. Digests only: no body, key or scope is kept.
+_SEEN: Recently[bytes, str] = Recently(entries=4096)
 
 
 def _refuse_above(bound: int | None, size: int) -> None:

@@ -267,7 +267,8 @@ def claim(
     identity: Identity, *, lease_seconds: float | None = None, ttl_seconds: float | None = None
 ) -> Decision:
     """Claim a key: a replay kept in this process's memory or in Redis, else the record
-    store's decision.
+    store's decision. A key this process answered lately (its next request is likely a retry)
+    is read first: a replay, a 409 or a 422 needs no claim.
 
     ``lease_seconds`` and ``ttl_seconds`` override the settings for this key (see
     :func:`store.claim <django_idempotency.request.store.claim>`).
@@ -278,9 +279,12 @@ def claim(
         decision = cache.lookup(identity)
     if decision is None:
         try:
-            decision = store.claim(
-                identity, uuid.uuid4(), lease_seconds=lease_seconds, ttl_seconds=ttl_seconds
-            )
+            if recent.answered(identity):
+                decision = store.answer(identity)
+            if decision is None:
+                decision = store.claim(
+                    identity, uuid.uuid4(), lease_seconds=lease_seconds, ttl_seconds=ttl_seconds
+                )
         except UNAVAILABLE_ERRORS as exc:
             events.store_unavailable(
                 identity, "idempotency claim failed: database unavailable", exc

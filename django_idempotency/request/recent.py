@@ -28,13 +28,28 @@ from django.dispatch import receiver
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
+from django_idempotency.core.bounded import Recently
 from django_idempotency.core.types import Identity, StoredResponse
 
-__all__ = ["clear", "forget", "lookup", "remember"]
+__all__ = ["answered", "clear", "forget", "lookup", "remember"]
+
+#: How many keys :func:`answered` knows (a hash each); when full it starts again empty.
+ANSWERED_ENTRIES = 8192
 
 #: (scope, key) -> (monotonic deadline, fingerprint, response), least recently used first.
 _entries: OrderedDict[tuple[str, str], tuple[float, str, StoredResponse]] = OrderedDict()
 _lock = threading.Lock()
+#: Hashes of (scope, key) this process completed or replayed lately (see :func:`answered`).
+_answered: Recently[int, bool] = Recently(entries=ANSWERED_ENTRIES)
+
+
+def answered(identity: Identity) -> bool:
+    """Whether this process completed or replayed this key lately, whatever
+    ``LOCAL_REPLAY_SECONDS`` says: its next request is then likely a retry, which the record
+    store answers from a read where it can (``store.answer``) before any claim. A hint, never
+    an answer: wrong either way (a hash collision, a key released or expired since), it costs
+    one read or one claim statement, and the decision is still the database's."""
+    return hash((identity.scope, identity.key)) in _answered
 
 
 def lookup(identity: Identity) -> StoredResponse | None:
@@ -58,7 +73,9 @@ def lookup(identity: Identity) -> StoredResponse | None:
 
 def remember(identity: Identity, stored: StoredResponse, expires_in: float | None) -> None:
     """Keep a completed key's response for ``LOCAL_REPLAY_SECONDS``, or until its record's
-    expiry ``expires_in`` seconds from now if sooner; not at all when that is unknown."""
+    expiry ``expires_in`` seconds from now if sooner; not at all when that is unknown. The key
+    is noted as :func:`answered` in any case."""
+    _answered.put(hash((identity.scope, identity.key)), True)
     keep = conf.LOCAL_REPLAY_SECONDS
     if keep <= 0 or expires_in is None:
         return
@@ -82,6 +99,7 @@ def forget(scope: str, key: str) -> None:
 def clear() -> None:
     with _lock:
         _entries.clear()
+    _answered.clear()
 
 
 @receiver(signals.key_released, dispatch_uid="django_idempotency.request.recent.forget")

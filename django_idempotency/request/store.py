@@ -8,6 +8,8 @@ The operations, each one short statement or transaction, each judged by the data
   request's business transaction. On PostgreSQL it is one statement for every path; on a
   records table partitioned by day (``RECORD_PARTITIONS``) that statement calls a function
   that takes the key's lock and then claims, since no unique index spans the partitions.
+* :func:`answer` decides a likely retry that needs no write (a replay, a 409, a 422) with one
+  plain read on PostgreSQL, where the claim statement would cost the server more.
 * :func:`complete` is one UPDATE inside the business transaction, fenced by the owner token: a
   request that lost its lease to a takeover updates nothing, and the caller rolls back.
 * :func:`release` deletes the record if this request still owns it, so a retry runs at once.
@@ -67,6 +69,7 @@ __all__ = [
     "CLAIM_ROUNDS",
     "KeyState",
     "accept",
+    "answer",
     "claim",
     "complete",
     "database_alias",
@@ -441,6 +444,46 @@ def _claim_postgresql(
         cursor.execute(statement, params)
         row = cursor.fetchone()
     return _claimed_or_judged(identity, using, owner_token, terms, row)
+
+
+def answer(identity: Identity) -> Decision | None:
+    """The decision on a key that needs no write, for a request that is likely a retry: a
+    replay, a request in flight (409) or a mismatch (422). None when the key must be claimed
+    (absent, expired or to be taken over), or where only the claim can tell.
+
+    On PostgreSQL it is one plain indexed read, which takes no lock or transaction id and
+    costs the server less than the claim statement (which would only read such a key too).
+    Not inside a caller's transaction, whose snapshot may be older than the key's answer, and
+    not elsewhere: MariaDB's and SQLite's claims read first anyway.
+    """
+    connection = connections[database_alias()]
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        return None
+    return _read_postgresql(identity, connection)
+
+
+def _read_postgresql(identity: Identity, connection: BaseDatabaseWrapper) -> Decision | None:
+    """:func:`answer`'s read; None for a verdict to claim, which the claim decides again on
+    what it finds then, by the same rules."""
+    using = connection.alias
+    with prepared.cursor(connection, binary=True) as cursor:
+        cursor.execute(_postgresql_read_text(using), {"scope": identity.scope, "key": identity.key})
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    *columns, now = row
+    decision = _decision(_Found(*columns), identity, now, using)
+    return None if isinstance(decision, Verdict) else decision
+
+
+@functools.lru_cache(maxsize=16)
+def _postgresql_read_text(using: str) -> str:
+    quote = connections[using].ops.quote_name
+    columns = ", ".join(f"r.{quote(column)}" for column in _found_columns())
+    return (
+        f"SELECT {columns}, {pg.NOW} FROM {quote(IdempotencyRecord._meta.db_table)} AS r "
+        f"WHERE r.{quote(_column('scope'))} = %(scope)s AND r.{quote(_column('key'))} = %(key)s"
+    )
 
 
 def _claim_partitioned(
