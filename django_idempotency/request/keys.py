@@ -6,6 +6,7 @@ bare token. Both spellings of the same characters name the same record.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from django.http.request import HttpHeaders
@@ -26,8 +27,14 @@ _REDACT_SALT = "django_idempotency.request.keys.redact"
 def header(request: Any, name: str) -> str | None:
     """One request header, read from ``META`` (WSGI and ASGI alike): ``request.headers`` would
     build a dict of every header the request sent, on every request, to read one."""
-    value: str | None = request.META.get(HttpHeaders.to_wsgi_name(name))
+    value: str | None = request.META.get(_meta_name(name))
     return value
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_name(name: str) -> str:
+    """``HTTP_IDEMPOTENCY_KEY`` for ``Idempotency-Key``: the few names read, worked out once."""
+    return HttpHeaders.to_wsgi_name(name)
 
 
 def parse_key(raw: str) -> str:
