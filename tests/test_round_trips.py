@@ -2,10 +2,12 @@
 
 PostgreSQL: a first-time claim is one statement (it also takes the owner lock), a replay one
 statement, the completion one (it also lets go of the owner lock), a 409 two (the claim, and
-asking whether the owner is still there). MariaDB and SQLite read first and insert only when
-the key is absent: on SQLite a duplicate must get its 409 from a read, never wait on the first
-request's write lock, and on MariaDB the read keeps a replay at one statement; MariaDB takes and
-releases its owner lock in statements of their own.
+asking whether the owner is still there); a key this process answered lately is read with a
+plain SELECT instead of the claim statement, and claimed only if that read cannot answer it.
+MariaDB and SQLite read first and insert only when the key is absent: on SQLite a duplicate
+must get its 409 from a read, never wait on the first request's write lock, and on MariaDB the
+read keeps a replay at one statement; MariaDB takes and releases its owner lock in statements of
+their own.
 """
 
 from __future__ import annotations
