@@ -14,6 +14,9 @@ default (``LOCAL_REPLAY_SECONDS = 0``). What turning it on gives up, and what it
   here (the database decides between its replay and a 422), so a replay never crosses callers.
 * Only the final response of a completed key is kept; a handed-off request's 202 is not.
 * At most ``LOCAL_REPLAY_ENTRIES`` entries, the least recently used dropped first.
+
+Whatever the setting, the keys answered lately are noted (a hash each, :func:`answered`): their
+next request is likely a retry, which the record store then reads before claiming it.
 """
 
 from __future__ import annotations
