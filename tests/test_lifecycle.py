@@ -87,6 +87,16 @@ def test_completed_key_replays_status_allowed_headers_and_exact_body(claim_path)
     assert Widget.objects.count() == 1
 
 
+def test_a_replay_carries_the_content_type_the_first_answer_sent_and_no_other():
+    """Django gives every response a default Content-Type; a replay keeps the stored one, and
+    has none where the first answer had none (a 204, say)."""
+    typed = lifecycle.replay(StoredResponse(201, [("Content-Type", "application/json")], b"{}"))
+    assert typed["Content-Type"] == "application/json"
+    untyped = lifecycle.replay(StoredResponse(204, [("Location", "/w/1")], b""))
+    assert not untyped.has_header("Content-Type")
+    assert untyped["Location"] == "/w/1" and untyped["Idempotent-Replay"] == "true"
+
+
 def test_running_key_conflicts_with_seconds_left_on_the_lease(claim_path):
     ident = identity()
     with held_elsewhere(ident):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -127,6 +128,16 @@ def test_the_least_recently_used_answer_goes_first(idempotency_settings):
     assert recent.lookup(identity("b")) is None
     assert recent.lookup(identity("a")) is not None
     assert recent.lookup(identity("c")) is not None
+
+
+def test_a_redis_copys_expiry_is_never_later_than_its_records(monkeypatch):
+    """The copy carries its record's expiry to the millisecond, rounded down: read at once, it
+    never says the record lives longer than it does."""
+    encoded = cache._encode("f", StoredResponse(201, [], b"{}"), expires_at=1120.0006)
+    monkeypatch.setattr(cache, "time", SimpleNamespace(time=lambda: 1000.0))
+    replay = cache._decode(encoded, "f")
+    assert replay is not None and replay.expires_in is not None
+    assert 119.999 <= replay.expires_in <= 120.0006
 
 
 def test_a_redis_copy_carries_its_records_expiry(key, settings, redis_url):

@@ -103,3 +103,21 @@ def test_without_use_tz_the_times_are_naive_as_the_orms(key):
         lifecycle.run(decision.lease, lambda: HttpResponse(BODY, status=201))
         assert isinstance(lifecycle.claim(identity(key)), types.Replay)
     assert lifecycle.claim(identity(key)).response.body == BODY  # type: ignore[union-attr]
+
+
+def test_a_change_of_the_sessions_time_zone_opens_the_cursor_again(key):
+    """psycopg's own loader is kept only while the session is in UTC: a session moved to
+    another zone gets a cursor that reads times as Django's does, the ORM's zone object too."""
+    utc = kept_cursor()
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SET TIME ZONE 'Etc/UTC'")
+        decision = lifecycle.claim(identity(key))
+        assert isinstance(decision, types.Proceed)
+        assert kept_cursor() is not utc
+        stored = IdempotencyRecord.objects.get(key=key).lease_expires_at
+        assert decision.lease.expires_at == stored
+        assert decision.lease.expires_at.tzinfo is stored.tzinfo
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SET TIME ZONE 'UTC'")
