@@ -172,7 +172,9 @@ class ChaosConfig:
             clients=8,
             accounts=10,
             give_up_seconds=60,
-            drain_seconds=60,
+            # Drained in 2-5 s after the load on an idle 2-core host; CI runs this beside
+            # another pass. Waiting longer costs nothing when the relay keeps up.
+            drain_seconds=120,
             lease_seconds=5,
             relay_lease_seconds=10,
             schedule=SHORT,
@@ -358,6 +360,10 @@ class Sql:
             return f"EXTRACT(EPOCH FROM {end} - {start})::float"
         return f"TIMESTAMPDIFF(MICROSECOND, {start}, {end}) / 1e6"
 
+    def now(self) -> str:
+        """The database's current time, as Django stores times there (UTC)."""
+        return "now()" if self.postgresql else "UTC_TIMESTAMP(6)"
+
     def epoch(self, moment: str) -> str:
         """A timestamp as a Unix time. Django keeps UTC in MariaDB's zone-less DATETIME, so it
         is counted from 1970 rather than given to UNIX_TIMESTAMP(), which would apply the
@@ -406,6 +412,11 @@ class Run:
         self.client_errors: list[BaseException] = []
         self.relays: list[Child] = []
         self.relay_output: list[str] = []
+        #: The relays the run itself killed; any other that is not alive at the end exited
+        #: on its own, which no fault excuses.
+        self.killed_relays: list[Child] = []
+        self.exited_relays: list[str] = []
+        self.undrained_tails: list[str] = []
         self.started = 0.0
         self.load_ended = 0.0
         self.drained_after: float | None = None
@@ -551,6 +562,7 @@ class Run:
         live = self.live_relays()
         if live:
             live[0].kill()
+            self.killed_relays.append(live[0])
         killed_at = time.time()
         time.sleep(1)  # as a supervisor restarts a process
         successor = self.start_relay()
@@ -576,6 +588,14 @@ class Run:
         began = time.time()
         if _wait(lambda: pending() == 0, timeout=self.config.drain_seconds, every=0.5):
             self.drained_after = time.time() - began
+        self.exited_relays = [
+            relay.tail()
+            for relay in self.relays
+            if not relay.alive() and relay not in self.killed_relays
+        ]
+        if self.drained_after is None:
+            # What the relays still running were doing, for the verdict to show.
+            self.undrained_tails = [relay.tail(1500) for relay in self.live_relays()]
 
 
 # --- the verdict -------------------------------------------------------------------------------
@@ -748,6 +768,12 @@ def _verify(run: Run) -> Report:
     """Read back what the run left in the database and hold it against what the clients got."""
     orders, faults = run.orders, run.faults
     problems: list[str] = [f"client thread failed: {error!r}" for error in run.client_errors]
+    problems += [f"a relay exited on its own:\n{tail}" for tail in run.exited_relays]
+    if run.undrained_tails:
+        problems.append(
+            f"the outbox was not drained {run.config.drain_seconds:g} s after the load; the "
+            "relays still running:\n" + "\n".join(run.undrained_tails)
+        )
     sql = run.sql
     with run.database.connect() as connection:
         payments = connection.execute(
@@ -787,6 +813,14 @@ def _verify(run: Run) -> Report:
             f"{sql.epoch('e.created_at')} "
             "FROM django_idempotency_outboxevent e WHERE e.topic = 'payment.completed'",
             [LEDGER],
+        ).fetchall()
+        # What holds back each event left unpublished: its attempts, its backoff and lease.
+        held_back = connection.execute(
+            f"SELECT {sql.text('event_id')}, status, attempts, "
+            f"{sql.seconds(sql.now(), 'next_attempt_at')}, "
+            f"{sql.seconds(sql.now(), 'locked_until')}, relay_token IS NOT NULL, last_error "
+            "FROM django_idempotency_outboxevent WHERE status <> 'PUBLISHED' "
+            "ORDER BY created_at LIMIT 20"
         ).fetchall()
 
     # Payments: found by their unique amount, one per paid order, none for the others.
@@ -838,7 +872,14 @@ def _verify(run: Run) -> Report:
     unpublished = [event for event in events if event[2] != "PUBLISHED"]
     not_once = [event for event in events if (event[4], event[5], event[7]) != (2, 2, 1)]
     missing_events = [tid for tid in paid_ids if event_of[tid] != 1]
-    problems += [f"event {e[0]}: {e[2]}" for e in unpublished]
+    problems += [
+        f"event {event_id}: {status} after {attempts} attempts, next attempt in "
+        f"{_seconds(next_in)}, lease {'held' if leased else 'free'} "
+        f"(ends in {_seconds(lease_in)}), last error {(error or '')[:200]!r}"
+        for event_id, status, attempts, next_in, lease_in, leased, error in held_back
+    ]
+    if len(unpublished) > len(held_back):
+        problems.append(f"{len(unpublished) - len(held_back)} more events unpublished")
     problems += [
         f"event {e[0]}: {e[4]} ledger entries ({e[5]} sides), {e[7]} markers" for e in not_once
     ]
