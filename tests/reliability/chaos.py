@@ -595,7 +595,25 @@ class Run:
         ]
         if self.drained_after is None:
             # What the relays still running were doing, for the verdict to show.
-            self.undrained_tails = [relay.tail(1500) for relay in self.live_relays()]
+            self.undrained_tails = [_last_lines(relay) for relay in self.live_relays()]
+
+
+def _last_lines(relay: Child, count: int = 15) -> str:
+    """A relay's last log lines and pass summaries, its tracebacks' frames left out."""
+    lines = [
+        line
+        for line in relay.output().splitlines()
+        if line and not line[0].isspace() and not line.startswith(TRACEBACK_LINES)
+    ]
+    return f"--- {relay.name} (pid {relay.pid}), its last lines ---\n" + "\n".join(lines[-count:])
+
+
+#: The lines of a traceback that say nothing of what happened.
+TRACEBACK_LINES = (
+    "Traceback (most recent call last):",
+    "The above exception was the direct cause",
+    "During handling of the above exception",
+)
 
 
 # --- the verdict -------------------------------------------------------------------------------
@@ -873,9 +891,10 @@ def _verify(run: Run) -> Report:
     not_once = [event for event in events if (event[4], event[5], event[7]) != (2, 2, 1)]
     missing_events = [tid for tid in paid_ids if event_of[tid] != 1]
     problems += [
-        f"event {event_id}: {status} after {attempts} attempts, next attempt in "
-        f"{_seconds(next_in)}, lease {'held' if leased else 'free'} "
-        f"(ends in {_seconds(lease_in)}), last error {(error or '')[:200]!r}"
+        f"event {event_id}: {status} after {attempts} attempts, next attempt "
+        + ("due" if next_in is None or next_in <= 0 else f"in {_seconds(next_in)}")
+        + (f", leased for {_seconds(lease_in)} more" if leased else ", not leased")
+        + f", last error {(error or '')[:200]!r}"
         for event_id, status, attempts, next_in, lease_in, leased, error in held_back
     ]
     if len(unpublished) > len(held_back):
