@@ -598,6 +598,14 @@ class Run:
             self.undrained_tails = [_last_lines(relay) for relay in self.live_relays()]
 
 
+#: The lines of a traceback that say nothing of what happened.
+TRACEBACK_LINES = (
+    "Traceback (most recent call last):",
+    "The above exception was the direct cause",
+    "During handling of the above exception",
+)
+
+
 def _last_lines(relay: Child, count: int = 15) -> str:
     """A relay's last log lines and pass summaries, its tracebacks' frames left out."""
     lines = [
@@ -606,14 +614,6 @@ def _last_lines(relay: Child, count: int = 15) -> str:
         if line and not line[0].isspace() and not line.startswith(TRACEBACK_LINES)
     ]
     return f"--- {relay.name} (pid {relay.pid}), its last lines ---\n" + "\n".join(lines[-count:])
-
-
-#: The lines of a traceback that say nothing of what happened.
-TRACEBACK_LINES = (
-    "Traceback (most recent call last):",
-    "The above exception was the direct cause",
-    "During handling of the above exception",
-)
 
 
 # --- the verdict -------------------------------------------------------------------------------

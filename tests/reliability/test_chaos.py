@@ -14,12 +14,23 @@ Each run brings its own private server (a PostgreSQL cluster, a MariaDB), so bot
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from tests.reliability.chaos import DATABASES, SHORT, ChaosConfig, missing_tools, named, run
+from tests.reliability.chaos import (
+    DATABASES,
+    SHORT,
+    ChaosConfig,
+    Run,
+    missing_tools,
+    named,
+    run,
+)
+from tests.reliability.processes import Child
 from tests.reliability.services import private_mariadb_server
 
 
@@ -77,3 +88,50 @@ def test_the_private_mariadb_sees_a_transaction_open_and_end_while_it_is_polled(
         assert mariadb.in_transaction(watcher, "%probe%", session) == [session]
         worker.connection.commit()
         assert mariadb.in_transaction(watcher, "%probe%") == []
+
+
+def test_a_relay_that_exits_on_its_own_and_an_undrained_outbox_say_what_happened(
+    tmp_path: Path,
+) -> None:
+    """The verdict's evidence when the outbox does not drain: a relay that exited without the
+    run killing it (with its traceback), and the last lines of those still running, without
+    their tracebacks' frames. A relay the run killed is not reported."""
+    unreachable = SimpleNamespace(vendor="postgresql")  # pending() cannot count: never drained
+    chaos = Run(ChaosConfig.short(logs=tmp_path, drain_seconds=0), unreachable, tmp_path)  # type: ignore[arg-type]
+    script = (
+        "import sys, time\n"
+        "print('2026-11-28 08:00:00,000 1 WARNING outbox relay pass failed; retrying')\n"
+        "print('Traceback (most recent call last):')\n"
+        "print('  File \"relay.py\", line 1, in run_once')\n"
+        "print('OperationalError: the database is down', flush=True)\n"
+        "if sys.argv[1] == 'exits':\n"
+        "    raise SystemExit('the relay crashed')\n"
+        "time.sleep(60)\n"
+    )
+    relays = {
+        role: Child([sys.executable, "-c", script, role], {}, f"relay-{role}")
+        for role in ("exits", "killed", "runs")
+    }
+    try:
+        chaos.relays = list(relays.values())
+        relays["killed"].kill()
+        chaos.killed_relays.append(relays["killed"])
+        end = time.monotonic() + 30
+        while relays["exits"].alive() or "database is down" not in relays["runs"].output():
+            assert time.monotonic() < end, "the stand-in relays did not get going"
+            time.sleep(0.05)
+
+        chaos.drain()
+
+        (exited,) = chaos.exited_relays
+        assert "relay-exits" in exited
+        assert "the relay crashed" in exited
+        (running,) = chaos.undrained_tails
+        assert running.splitlines()[1:] == [
+            "2026-11-28 08:00:00,000 1 WARNING outbox relay pass failed; retrying",
+            "OperationalError: the database is down",
+        ]
+        assert "relay-runs" in running
+    finally:
+        for relay in relays.values():
+            relay.close()
