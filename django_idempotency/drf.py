@@ -9,6 +9,7 @@ lifecycle's transaction, finalized and rendered there, so the stored bytes are t
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from rest_framework.response import Response
 
 from django_idempotency.browsable import IdempotentBrowsableAPIRenderer
 from django_idempotency.conf import GUARDED_METHODS, conf
-from django_idempotency.core.types import Conflict, Mismatch, Proceed, Replay
+from django_idempotency.core.types import Conflict, Lease, Mismatch, StoredResponse
 from django_idempotency.exceptions import IdempotencyHTTPError
 from django_idempotency.request import attach, lifecycle
 from django_idempotency.request.fingerprint import (
@@ -40,6 +41,9 @@ else:
     _Base = object
 
 __all__ = ["IdempotencyMixin", "problem_details", "serve_api_view"]
+
+#: A handler DRF calls with the request and the URL's arguments.
+Handler = Callable[..., HttpResponseBase]
 
 
 class IdempotencyMixin(_Base):
@@ -131,31 +135,8 @@ class IdempotencyMixin(_Base):
             fingerprint=partial(self.get_idempotency_fingerprint, request),
             options=options,
         )
-        match decision:
-            case Replay(response=stored):
-                if self.idempotency_recheck_replays:
-                    super().initial(request, *args, **kwargs)
-                replayed = lifecycle.replay(stored)
-                wrapped: Callable[..., HttpResponseBase] = lambda *a, **k: replayed  # noqa: E731
-            case Conflict() | Mismatch():
-                raise lifecycle.refusal(decision)
-            case Proceed(lease=lease):
-                try:
-                    super().initial(request, *args, **kwargs)
-                except BaseException:
-                    lifecycle.release(lease, "refused")
-                    raise
-
-                def wrapped(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
-                    call = partial(_finalized, self, handler, request, args, kwargs)
-                    return lifecycle.run(lease, call, options, request=request._request)
-
-            case None:
-                super().initial(request, *args, **kwargs)
-
-                def wrapped(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
-                    return lifecycle.unhandled(partial(handler, request, *args, **kwargs))
-
+        door = _InitialDoor(self, request, args, kwargs, handler, options)
+        wrapped = lifecycle.settle(decision, door)
         # DRF itself binds ViewSet actions to method names on the instance the same way.
         setattr(self, handler_name, wrapped)
 
@@ -188,6 +169,55 @@ class IdempotencyMixin(_Base):
             negotiated = self.perform_content_negotiation(request, force=True)
             request.accepted_renderer, request.accepted_media_type = negotiated
         return problem_details(super().handle_exception(exc), exc, request)
+
+
+@dataclass(frozen=True, slots=True)
+class _InitialDoor:
+    """The mixin's answer to each outcome of a claim: the handler DRF is to call in place of
+    the view's own (a replay, the handler inside the run step, or the handler unguarded); a
+    refusal raises, for DRF's exception handling."""
+
+    view: IdempotencyMixin
+    request: Request
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    handler: Callable[..., Any]
+    options: lifecycle.Options
+
+    def _drf_initial(self) -> None:
+        super(IdempotencyMixin, self.view).initial(self.request, *self.args, **self.kwargs)
+
+    def unkeyed(self) -> Handler:
+        self._drf_initial()
+        handler = self.handler
+
+        def unguarded(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
+            return lifecycle.unhandled(partial(handler, request, *args, **kwargs))
+
+        return unguarded
+
+    def replay(self, stored: StoredResponse) -> Handler:
+        if self.view.idempotency_recheck_replays:
+            self._drf_initial()
+        replayed = lifecycle.replay(stored)
+        return lambda *args, **kwargs: replayed
+
+    def refuse(self, decision: Conflict | Mismatch) -> Handler:
+        raise lifecycle.refusal(decision)
+
+    def proceed(self, lease: Lease) -> Handler:
+        try:
+            self._drf_initial()
+        except BaseException:
+            lifecycle.release(lease, "refused")
+            raise
+        view, handler, options = self.view, self.handler, self.options
+
+        def guarded(request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
+            call = partial(_finalized, view, handler, request, args, kwargs)
+            return lifecycle.run(lease, call, options, request=request._request)
+
+        return guarded
 
 
 def serve_api_view(

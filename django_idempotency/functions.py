@@ -5,9 +5,11 @@ A door into the request lifecycle, like ``@idempotent`` for views: the call beco
 :class:`~django_idempotency.core.types.Identity` (the key read from its arguments, in the
 function's scope, with a digest of its arguments as the fingerprint), claimed by
 :func:`lifecycle.claim <django_idempotency.request.lifecycle.claim>` under the same rules, leases
-and fencing tokens as a request. The function then runs inside one transaction with the storing
-of its serialized return value (the record's body, status 200, the serializer's content type),
-fenced by the owner token; when it raises, its writes roll back and the key is released.
+and fencing tokens as a request. The function then runs through the lifecycle's one run step
+(:func:`~django_idempotency.request.lifecycle.run_step`), as a view does: inside one
+transaction with the storing of its serialized return value (the record's body, status 200, the
+serializer's content type), fenced by the owner token; when it raises, its writes roll back and
+the key is released. Only the key, the fingerprint and the serializer are this door's own.
 """
 
 from __future__ import annotations
@@ -17,15 +19,14 @@ import functools
 import hashlib
 import inspect
 import json
-import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 from uuid import UUID
 
 from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import DEFAULT_DB_ALIAS, connections, models, transaction
+from django.db import DEFAULT_DB_ALIAS, models
 
 from django_idempotency.conf import conf
 from django_idempotency.core.types import (
@@ -35,8 +36,6 @@ from django_idempotency.core.types import (
     Identity,
     Lease,
     Mismatch,
-    Proceed,
-    Replay,
     StoredResponse,
 )
 from django_idempotency.exceptions import (
@@ -47,8 +46,7 @@ from django_idempotency.exceptions import (
     IdempotentResultNotStorable,
     LeaseLost,
 )
-from django_idempotency.request import events, lifecycle, store
-from django_idempotency.request.heartbeat import LeaseHeartbeat
+from django_idempotency.request import lifecycle
 
 __all__ = [
     "CALL_METHOD",
@@ -395,65 +393,30 @@ class _Guarded:
             method=CALL_METHOD,
             path=self.name,
         )
-        match lifecycle.claim(identity, lease_seconds=self.lease, ttl_seconds=self.ttl):
-            case Replay(response=stored):
-                return self.load(stored)
-            case Conflict(retry_after=retry_after):
-                raise IdempotentCallInProgress(
-                    retry_after,
-                    f"{self.name}: a call with key {identity.key!r} is still running; call "
-                    f"again in {retry_after} s to get its result.",
-                )
-            case Mismatch():
-                raise IdempotentCallMismatch(
-                    f"{self.name}: key {identity.key!r} was already used by a call with "
-                    f"different arguments; nothing ran. Use a new key for a new call."
-                )
-            case Proceed(lease=lease):
-                return self.run(lease, call)
+        decision = lifecycle.claim(identity, lease_seconds=self.lease, ttl_seconds=self.ttl)
+        return lifecycle.settle(decision, _Call(self, identity, call))
 
     def run(self, lease: Lease, call: Callable[[], Any]) -> Any:
-        """Call the function and store its value in one transaction; release the key otherwise.
-
-        The transactions and their order are the view lifecycle's (``lifecycle.run``): the
-        records' database first, left last, so a stored value never claims writes that failed
-        to commit.
-        """
-        connection = connections[lease.using]
-        beat = conf.LEASE_HEARTBEAT if self.heartbeat is None else self.heartbeat
-        if connection.vendor == "sqlite" or connection.in_atomic_block:
-            # SQLite: one writer at a time, nobody can take the key over meanwhile. Inside a
-            # caller's transaction the claim is not committed: a heartbeat from its own
-            # connection could wait on the claim's row lock, which this thread holds.
-            beat = False
-        aliases = [lease.using, *(alias for alias in self.aliases if alias != lease.using)]
+        """Call the function through the lifecycle's run step: its value stored with its
+        writes, or (raised, rolled back) nothing stored and the key released."""
         try:
-            with LeaseHeartbeat(lease) if beat else nullcontext(), ExitStack() as transactions:
-                for alias in aliases:
-                    transactions.enter_context(transaction.atomic(using=alias))
-                value = call()
-                if any(connections[alias].needs_rollback for alias in aliases):
-                    raise _NotStored(value)
-                stored = self.dump(value)
-                _complete(lease, stored)
-                completed_at = time.monotonic()
-        except _NotStored as not_stored:
-            # The function caught a database error or asked for a rollback: nothing of it
-            # commits, so nothing is stored and a later call runs again (as for a view).
-            lifecycle.release(lease, "rolled_back")
-            return not_stored.value
+            ran = lifecycle.run_step(
+                lease, call, self.keep, also=self.aliases, heartbeat=self.heartbeat
+            )
         except LeaseLost as exc:
-            events.lease_lost(lease.identity)
             raise LeaseLost(
                 f"{self.name}: this call ran past its lease and another call with key "
                 f"{lease.identity.key!r} took it over; this call's writes were rolled back. "
                 f"Call again to get the other call's result."
             ) from exc
-        except BaseException:
-            lifecycle.release(lease, "exception")
-            raise
-        lifecycle.remember_completion(lease, stored, completed_at)
-        return self.load(stored)
+        if ran.kept is None:
+            # The function caught a database error or asked for a rollback: nothing of it
+            # committed, so nothing is stored and a later call runs again (as for a view).
+            return ran.value
+        return self.load(ran.kept.stored)
+
+    def keep(self, value: Any) -> lifecycle.Keep:
+        return lifecycle.Keep(self.dump(value))
 
     def dump(self, value: Any) -> StoredResponse:
         try:
@@ -483,13 +446,32 @@ class _Guarded:
         return self.serializer.loads(stored.body)
 
 
-class _NotStored(Exception):
-    def __init__(self, value: Any) -> None:
-        self.value = value
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One call's answer to each outcome of its claim (``lifecycle.Door``)."""
 
+    guarded: _Guarded
+    identity: Identity
+    call: Callable[[], Any]
 
-@events.instrumented("complete")
-def _complete(lease: Lease, stored: StoredResponse) -> None:
-    """Store the value; :class:`LeaseLost` (inside the span) when the key was taken over."""
-    if not store.complete(lease, stored):
-        raise LeaseLost("the lease was taken over by another call")
+    def unkeyed(self) -> Any:  # pragma: no cover - a call always has its key
+        raise AssertionError("a function call always has a key")
+
+    def replay(self, stored: StoredResponse) -> Any:
+        return self.guarded.load(stored)
+
+    def refuse(self, decision: Conflict | Mismatch) -> Any:
+        name, key = self.guarded.name, self.identity.key
+        if isinstance(decision, Conflict):
+            raise IdempotentCallInProgress(
+                decision.retry_after,
+                f"{name}: a call with key {key!r} is still running; call again in "
+                f"{decision.retry_after} s to get its result.",
+            )
+        raise IdempotentCallMismatch(
+            f"{name}: key {key!r} was already used by a call with different arguments; "
+            f"nothing ran. Use a new key for a new call."
+        )
+
+    def proceed(self, lease: Lease) -> Any:
+        return self.guarded.run(lease, self.call)

@@ -26,6 +26,7 @@ owner token: from then on retries of the request, and the key's status URL, retu
 
 from __future__ import annotations
 
+import enum
 import functools
 import uuid
 from collections.abc import Callable, Mapping
@@ -44,10 +45,13 @@ from django_idempotency.exceptions import IdempotencyKeyMissing
 from django_idempotency.outbox.publish import publish
 from django_idempotency.request.lifecycle import (
     HANDED_OFF,
+    Ended,
     HandOff,
-    HandOffOutcome,
-    finish_handed_off,
+    Keep,
+    rendered,
+    run_step,
 )
+from django_idempotency.request.responses import capture
 
 __all__ = [
     "HAND_OFF_ARGUMENT",
@@ -65,6 +69,30 @@ HAND_OFF_ARGUMENT = "idempotency_hand_off"
 STATUS_URL_NAME = "idempotency-key-status"
 
 P = ParamSpec("P")
+
+
+class HandOffOutcome(enum.Enum):
+    """What became of one delivery of a handed-off request's work."""
+
+    #: The work ran and its final response is stored.
+    COMPLETED = "completed"
+    #: An earlier delivery completed it: nothing ran (a redelivery, a relay sending twice).
+    ALREADY_COMPLETED = "already_completed"
+    #: The key is no longer this hand-off's (its hold ran out and a retry took it over, or an
+    #: operator released it): nothing ran; the new owner does the work.
+    NOT_OURS = "not_ours"
+    #: The work marked its transaction for rollback (``set_rollback``, a database error it
+    #: caught): nothing of it committed, and the key is released, as a view's would be, so
+    #: the client's retry of the request hands the work off anew.
+    RELEASED = "released"
+
+
+_OUTCOMES = {
+    Ended.COMPLETED: HandOffOutcome.COMPLETED,
+    Ended.ALREADY_COMPLETED: HandOffOutcome.ALREADY_COMPLETED,
+    Ended.NOT_OURS: HandOffOutcome.NOT_OURS,
+    Ended.ROLLED_BACK: HandOffOutcome.RELEASED,
+}
 
 
 def hand_off(
@@ -131,7 +159,9 @@ def handed_off(func: Callable[P, Any]) -> Callable[P, str]:
     ``HttpResponse`` (``JsonResponse(data, status=201)``), or any JSON value, answered 200. The
     task returns what became of the delivery (:class:`HandOffOutcome`'s value): a redelivery of
     completed work, or work whose key was taken over meanwhile, runs nothing. If ``func``
-    raises, nothing is stored and the exception propagates, for the task's own retries.
+    raises, nothing is stored, the key stays held and the exception propagates, for the task's
+    own retries. If it marks its transaction for rollback (``set_rollback``, or a database
+    error it caught) and returns, nothing is stored and the key is released, as for a view.
     """
 
     @functools.wraps(func)
@@ -142,9 +172,13 @@ def handed_off(func: Callable[P, Any]) -> Callable[P, str]:
                 f"{func.__qualname__} runs work handed off by hand_off(); it was called "
                 f"without its {HAND_OFF_ARGUMENT!r} argument."
             )
-        lease = _lease(ticket)
-        outcome, _ = finish_handed_off(lease, lambda: _as_response(func(*args, **kwargs)))
-        return outcome.value
+        ran = run_step(
+            _lease(ticket),
+            functools.partial(rendered, lambda: _as_response(func(*args, **kwargs))),
+            _final,
+            handed_off=True,
+        )
+        return _OUTCOMES[ran.ended].value
 
     return worker
 
@@ -205,6 +239,11 @@ def _lease(ticket: dict[str, Any]) -> Lease:
         lease_seconds=float(ticket["hold_seconds"]),
         ttl_seconds=ticket["ttl_seconds"],
     )
+
+
+def _final(response: HttpResponseBase) -> Keep:
+    """Whatever the worker returns (from a transaction it did not roll back) is final."""
+    return Keep(capture(response))
 
 
 def _as_response(result: Any) -> HttpResponseBase:

@@ -209,6 +209,30 @@ def test_credential_scoped_clients_behind_the_middleware(key):
         assert_not_found(client.get(status_url(key, prefix)))
 
 
+def test_a_drf_token_client_finds_the_keys_it_wrote_through_the_middleware(key):
+    """The middleware runs before DRF authenticates, so it scoped the write by the token's
+    digest; the DRF status view, which knows the token's user, still finds it, and the
+    writes the client made through the mixin too."""
+    owner, stranger = UserFactory(), UserFactory()
+    token = f"Token {Token.objects.create(user=owner).key}"
+    client = APIClient()
+    first = client.post(
+        "/doors/middleware/drf/", {"name": "w"}, format="json",
+        HTTP_IDEMPOTENCY_KEY=key, HTTP_AUTHORIZATION=token,
+    )  # fmt: skip
+    assert first.status_code == 201
+    status = client.get(status_url(key), HTTP_AUTHORIZATION=token)
+    assert status.status_code == 200 and status.json()["status"] == "completed"
+    stored = client.get(status_url(key) + "/response", HTTP_AUTHORIZATION=token)
+    assert stored.content == first.content
+    mixin_key = f"{key}-mixin"
+    assert post(client, mixin_key, headers={"HTTP_AUTHORIZATION": token}).status_code == 201
+    assert client.get(status_url(mixin_key), HTTP_AUTHORIZATION=token).status_code == 200
+    stranger_token = f"Token {Token.objects.create(user=stranger).key}"
+    assert_not_found(client.get(status_url(key), HTTP_AUTHORIZATION=stranger_token))
+    assert_not_found(client.get(status_url(key)))
+
+
 def test_with_credential_scope_refuse_a_lookup_with_unscoped_credentials_is_404(key):
     with override_settings(IDEMPOTENCY={"CREDENTIAL_SCOPE": "refuse"}):
         assert_not_found(APIClient().get(status_url(key), HTTP_AUTHORIZATION="Bearer x"))

@@ -1,32 +1,39 @@
-"""The request lifecycle: claim, run, complete or release, replay. Written once, here.
+"""The lifecycle of a key: claim, run, complete or release, replay. Written once, here.
 
-Every entry point is a door into this module: the middleware and ``@idempotent`` call
-:func:`serve` (or :func:`serve_async` for async views); the DRF mixin calls :func:`admit` after
-DRF's authentication and permissions, then :func:`run` around its handler. None of them does any
-of the protocol itself. Below this module sit the rules (``core/statemachine.py``), the record
-store (``store.py``, the database) and the Redis copy (``cache.py``); nothing below calls back up.
+Every entry point is a door into this module, and differs from the others only in how it reads
+a key and what it makes of each outcome (a :class:`Door`): the middleware and ``@idempotent``
+call :func:`serve` (or :func:`serve_async`); the DRF mixin calls :func:`admit` after DRF's
+authentication, then :func:`run` around its handler; ``@idempotent_function`` calls
+:func:`claim`; a handed-off request's worker calls :func:`run_step`. The claim's outcome is
+dispatched in one place (:func:`settle`), and every door's work runs through one step
+(:func:`run_step`). Below this module sit the rules (``core/statemachine.py``), the record
+store (``store.py``, the database), the Redis copy (``cache.py``) and the answers kept in memory
+(``recent.py``); nothing below calls back up.
 
 The rules a request meets, whichever door it came through:
 
 * Not guarded (another method, no key where none is required, already guarded by an outer
   door): served exactly as Django would serve it, inside the ``ATOMIC_REQUESTS`` transactions.
-* Guarded: the claim commits on its own first; then the view runs inside one transaction per
-  database (the records' database and every ``ATOMIC_REQUESTS`` one), and its response is stored
+* Guarded: the claim commits on its own first; then the work runs inside one transaction per
+  database (the records' database and every ``ATOMIC_REQUESTS`` one), and its answer is stored
   in that same transaction, fenced by the owner token.
-* Nothing is stored, the key is released and the view's writes roll back when the view raises
-  (DRF's validation, permission and throttling errors included), returns a response that is not
+* Nothing is stored, the key is released and the work's writes roll back when the work raises
+  (DRF's validation, permission and throttling errors included), returns an answer that is not
   to be stored (5xx by default, or one DRF made from an exception), or marks its transaction for
   rollback (``transaction.set_rollback(True)``, or a database error it caught); the client gets
   the view's own answer and a retry with the same key runs again.
+* Caches hold only what committed: an answer reaches this process's memory, the Redis copy or
+  the hints of keys answered lately only from ``on_commit`` of the outermost transaction that
+  wrote or read it, and a release forgets it at once.
 * A duplicate of a request in flight gets 409 with ``Retry-After``, unless it may wait
   (``Prefer: wait=N``, or ``Options.wait``; ``attach.py``): then it waits, holding no
   connection, until the first request is done or its time runs out, and claims once more.
 * A view may hand its work to a worker (``handoff.hand_off``, which enqueues the work through
   the outbox in the view's transaction and answers 202): its 202 is stored in that same
   transaction and the record becomes ACCEPTED, held by the worker under the same owner token.
-  Duplicates replay the 202 (or wait for the final response, as above). The worker runs in a
-  transaction that first takes the key up (:func:`finish_handed_off`) and stores the final
-  response before it commits, so a redelivered task finds it done and never runs twice.
+  Duplicates replay the 202 (or wait for the final response, as above). The worker's run step
+  first takes the key up and stores the final answer before it commits, so a redelivered task
+  finds it done and never runs twice; a worker that rolls back releases the key, as a view does.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from collections.abc import Awaitable, Callable, Collection
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, assert_never
 
 from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
 from django.db import InterfaceError, OperationalError, connections, transaction
@@ -46,7 +53,7 @@ from django.http import HttpRequest, HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 
 from django_idempotency.conf import GUARDED_METHODS, conf
-from django_idempotency.core.statemachine import ACCEPTED, COMPLETED
+from django_idempotency.core.statemachine import ACCEPTED, COMPLETED, PROCESSING
 from django_idempotency.core.types import (
     Conflict,
     Decision,
@@ -84,15 +91,17 @@ __all__ = [
     "HANDED_OFF",
     "UNAVAILABLE_ERRORS",
     "Attaching",
+    "Door",
+    "Ended",
     "HandOff",
-    "HandOffOutcome",
+    "Keep",
     "Options",
     "DEFAULT_OPTIONS",
+    "Ran",
     "admit",
     "atomic_requests",
     "claim",
     "default_should_store",
-    "finish_handed_off",
     "guards",
     "identify",
     "opt_out_of_atomic_requests",
@@ -100,12 +109,14 @@ __all__ = [
     "reclaim",
     "refusal",
     "release",
-    "remember_completion",
+    "rendered",
     "replay",
     "run",
+    "run_step",
     "serve",
     "serve_async",
     "serve_sync_view_async",
+    "settle",
     "unhandled",
 ]
 
@@ -274,31 +285,49 @@ def claim(
     :func:`store.claim <django_idempotency.request.store.claim>`).
     """
     kept = recent.lookup(identity)
-    decision: Decision | None = None if kept is None else Replay(kept)
-    if decision is None:
-        decision = cache.lookup(identity)
-    if decision is None:
+    if kept is not None:
+        decision: Decision = Replay(kept)
+        events.announce(identity, decision)
+        return decision
+    cached = cache.lookup(identity)
+    using = store.database_alias()
+    if cached is not None:
+        decision = cached
+    else:
         try:
-            if recent.answered(identity):
-                decision = store.answer(identity)
-            if decision is None:
-                decision = store.claim(
-                    identity, uuid.uuid4(), lease_seconds=lease_seconds, ttl_seconds=ttl_seconds
-                )
+            answered = store.answer(identity) if recent.answered(identity) else None
+            decision = answered or store.claim(
+                identity, uuid.uuid4(), lease_seconds=lease_seconds, ttl_seconds=ttl_seconds
+            )
         except UNAVAILABLE_ERRORS as exc:
             events.store_unavailable(
                 identity, "idempotency claim failed: database unavailable", exc
             )
             raise StoreUnavailable() from exc
-        if isinstance(decision, Replay) and not decision.handed_off:
-            # A key retried once is likely retried again: its next retries come from Redis.
-            # Copied here, at its first replay, not at its completion: most keys are never
-            # retried, and their requests then pay no Redis write and take no Redis memory.
-            cache.remember(identity, decision.response, decision.expires_in)
-    if kept is None and isinstance(decision, Replay) and not decision.handed_off:
-        recent.remember(identity, decision.response, decision.expires_in)
+    if isinstance(decision, Replay) and not decision.handed_off:
+        # A key retried once is likely retried again: its next retries come from memory or
+        # Redis. Copied to Redis here, at its first replay, not at its completion: most keys
+        # are never retried, and their requests then pay no Redis write and take no memory.
+        _remember_replay(identity, decision, using, copy=cached is None)
     events.announce(identity, decision)
     return decision
+
+
+def _remember_replay(identity: Identity, replay: Replay, using: str, *, copy: bool) -> None:
+    """Keep a replayed answer in this process's memory, and (``copy``) in Redis, once it is
+    known to be committed: read inside a transaction that wrote the record, it may still roll
+    back, and no cache may then answer for it."""
+    read_at = time.monotonic()
+
+    def remember() -> None:
+        left = replay.expires_in
+        if left is not None:
+            left -= time.monotonic() - read_at
+        if copy:
+            cache.remember(identity, replay.response, left)
+        recent.remember(identity, replay.response, left)
+
+    transaction.on_commit(remember, using=using, robust=True)
 
 
 @events.instrumented("replay")
@@ -313,103 +342,200 @@ def refusal(decision: Conflict | Mismatch) -> IdempotencyHTTPError:
     return PayloadMismatch()
 
 
-# --- running the view --------------------------------------------------------------------------
+# --- the claim's outcome, dispatched once ------------------------------------------------------
+
+R = TypeVar("R", covariant=True)
+
+
+class Door(Protocol[R]):
+    """What one entry point makes of each outcome of a claim (an HTTP response, a function's
+    value, a DRF handler to call): the doors differ only here and in how they read a key."""
+
+    def unkeyed(self) -> R:
+        """No key, and none required: not guarded."""
+        ...
+
+    def replay(self, stored: StoredResponse) -> R:
+        """The key's stored answer (a final one, or a hand-off's 202 while its worker runs)."""
+        ...
+
+    def refuse(self, decision: Conflict | Mismatch) -> R:
+        """A request in flight holds the key, or the key was used for another request."""
+        ...
+
+    def proceed(self, lease: Lease) -> R:
+        """The key is this request's: run it (:func:`run_step`)."""
+        ...
+
+
+def settle(decision: Decision | None, door: Door[R]) -> R:
+    """Hand the claim's outcome to the door: the one place it is dispatched."""
+    match decision:
+        case None:
+            return door.unkeyed()
+        case Replay(response=stored):
+            return door.replay(stored)
+        case Conflict() | Mismatch():
+            return door.refuse(decision)
+        case Proceed(lease=lease):
+            return door.proceed(lease)
+    assert_never(decision)
+
+
+# --- the run step: one for every door ------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """What a run stores under its key, in the transaction of its writes."""
+
+    stored: StoredResponse
+    #: A hand-off's 202: the key goes to a worker for this many seconds (ACCEPTED), not done.
+    hold_seconds: float | None = None
+
+
+class Ended(enum.Enum):
+    """How one run of a door's work ended."""
+
+    #: Its answer is stored (COMPLETED); retries replay it.
+    COMPLETED = "completed"
+    #: Its 202 is stored and the key held by the worker it handed its work to (ACCEPTED).
+    HANDED_OFF = "handed_off"
+    #: It marked its transaction for rollback (``set_rollback``, a database error it caught):
+    #: nothing of it committed, nothing is stored, the key is released.
+    ROLLED_BACK = "rolled_back"
+    #: Its answer is not final (``should_store``): rolled back and released as well.
+    NOT_STORED = "not_stored"
+    #: A handed-off worker found its work completed by an earlier delivery: nothing ran.
+    ALREADY_COMPLETED = "already_completed"
+    #: A handed-off worker found the key no longer its own (its hold ran out and a retry took
+    #: it over, or an operator released it): nothing ran; the new owner does the work.
+    NOT_OURS = "not_ours"
+
+
+@dataclass(frozen=True, slots=True)
+class Ran(Generic[T]):
+    """What a run step did: how it ended, what the work returned (None when it never ran), and
+    what was stored."""
+
+    ended: Ended
+    value: T | None
+    kept: Keep | None = None
 
 
 class _NotStored(Exception):
-    """Leaves the transactions (rolling them back) with a response that is not stored."""
+    """Leaves the transactions (rolling them back) with a value that is not stored."""
 
-    def __init__(self, response: HttpResponseBase, reason: str) -> None:
-        self.response = response
-        self.reason = reason
+    def __init__(self, value: Any, ended: Ended) -> None:
+        self.value = value
+        self.ended = ended
 
 
-def run(
+def run_step(
     lease: Lease,
-    call_view: CallView,
-    options: Options = DEFAULT_OPTIONS,
+    work: Callable[[], T],
+    keep: Callable[[T], Keep | None],
     *,
-    request: HttpRequest | None = None,
-    view: Callable[..., Any] | None = None,
-) -> HttpResponseBase:
-    """Run the view and store its response in one transaction; release the key otherwise.
+    also: Collection[str] = (),
+    heartbeat: bool | None = None,
+    handed_off: bool = False,
+) -> Ran[T]:
+    """Run a door's work once under ``lease``, and store what ``keep`` makes of its result in the
+    same transaction, fenced by the owner token; release the key when nothing is stored.
 
-    ``call_view`` returns the final response (rendered here when it is a template response).
-    Raises :class:`LeaseLostConflict` when another request took the key over meanwhile (the
-    view's writes rolled back) and :class:`StoreUnavailable` when the database went away;
-    re-raises whatever the view raised, after releasing the key.
+    Every door runs through here: views (:func:`run`), ``@idempotent_function`` and the workers
+    of handed-off requests (``handed_off``: the work first takes up the ACCEPTED key, and if it
+    raises the key stays held for the task's own retry). ``also`` names the other databases
+    whose transactions commit with the record (opened after it, so they commit first and a
+    stored answer never claims writes that failed to commit).
+
+    What was stored reaches this process's memory and the waiters only from ``on_commit`` of
+    the outermost transaction: inside a caller's transaction that later rolls back, nothing of
+    this run is remembered anywhere. Raises :class:`LeaseLost` when the key was taken over
+    meanwhile (the work's writes rolled back), and whatever the work raised, after releasing
+    the key.
     """
-    if request is not None:
-        request.idempotency = lease  # type: ignore[attr-defined]
-    aliases = _transaction_aliases(lease.using, view)
-    beat = conf.LEASE_HEARTBEAT if options.heartbeat is None else options.heartbeat
-    if connections[lease.using].vendor == "sqlite":
-        # SQLite has one writer at a time: while the view's transaction holds the write lock
-        # nobody can take the key over, and a heartbeat could not write either.
+    aliases = [lease.using, *(alias for alias in also if alias != lease.using)]
+    held_as = ACCEPTED if handed_off else PROCESSING
+    connection = connections[lease.using]
+    beat = conf.LEASE_HEARTBEAT if heartbeat is None else heartbeat
+    if handed_off or connection.vendor == "sqlite" or connection.in_atomic_block:
+        # SQLite has one writer at a time: nobody can take the key over meanwhile, and a
+        # heartbeat could not write either. Inside a caller's transaction the claim is not
+        # committed: a heartbeat's own connection would wait on the row lock this thread holds.
+        # A worker's hold is its lease, never extended.
         beat = False
     try:
         with LeaseHeartbeat(lease) if beat else nullcontext(), ExitStack() as transactions:
-            # Entered in this order, left in reverse: the business databases commit before the
-            # records' one, so a stored response never claims writes that failed to commit.
             for alias in aliases:
                 transactions.enter_context(transaction.atomic(using=alias))
-            response = call_view()
-            if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
-                response.render()
-            hand_off: HandOff | None = getattr(response, HANDED_OFF, None)
+            if handed_off and not store.resume(lease):
+                return _skipped(lease)
+            value = work()
             if any(connections[alias].needs_rollback for alias in aliases):
-                if hand_off is not None:
+                if getattr(value, HANDED_OFF, None) is not None:
                     # Its 202 would promise work that the rollback took back out of the outbox.
                     raise RuntimeError(
                         "The view handed its work off, then marked its transaction for "
                         "rollback: nothing was enqueued, so its 202 cannot be answered."
                     )
-                raise _NotStored(response, "rolled_back")
-            # A hand-off's 202 is always stored: its work is enqueued in this transaction.
-            if hand_off is None and not options.should_store(response):
-                raise _NotStored(response, "not_stored")
-            stored = capture(response)
-            if hand_off is not None:
-                _accept(lease, stored, hand_off.hold_seconds)
+                raise _NotStored(value, Ended.ROLLED_BACK)
+            kept = keep(value)
+            if kept is None:
+                raise _NotStored(value, Ended.NOT_STORED)
+            if kept.hold_seconds is not None:
+                _accept(lease, kept.stored, kept.hold_seconds)
             else:
-                _complete(lease, stored)
-            completed_at = time.monotonic()
+                _complete(lease, kept.stored, held_as)
+            transaction.on_commit(
+                partial(_committed, lease, kept, time.monotonic()), using=lease.using, robust=True
+            )
     except _NotStored as not_stored:
-        release(lease, not_stored.reason)
-        return _first_time(not_stored.response)
-    except LeaseLost as exc:
+        release(lease, not_stored.ended.value, held_as=held_as)
+        return Ran(not_stored.ended, not_stored.value)
+    except LeaseLost:
         events.lease_lost(lease.identity)
-        raise LeaseLostConflict() from exc
-    except UNAVAILABLE_ERRORS as exc:
-        events.store_unavailable(lease.identity, "database unavailable during the request", exc)
-        release(lease, "exception")
-        raise StoreUnavailable() from exc
-    except BaseException:
-        release(lease, "exception")
         raise
-    if hand_off is not None:
-        # No Redis copy of a 202: the worker's final response replaces it.
-        events.handed_off(lease, stored)
+    except UNAVAILABLE_ERRORS as exc:
+        events.store_unavailable(lease.identity, "database unavailable during the run", exc)
+        if not handed_off:
+            release(lease, "exception")
+        raise
+    except BaseException:
+        if not handed_off:
+            release(lease, "exception")
+        raise
+    return Ran(Ended.COMPLETED if kept.hold_seconds is None else Ended.HANDED_OFF, value, kept)
+
+
+def _skipped(lease: Lease) -> Ran[Any]:
+    """A delivery of handed-off work whose key is done, or no longer its own."""
+    done = store.status_of(lease) == COMPLETED
+    ended = Ended.ALREADY_COMPLETED if done else Ended.NOT_OURS
+    events.hand_off_skipped(lease.identity, ended.value)
+    return Ran(ended, None)
+
+
+def _committed(lease: Lease, kept: Keep, stored_at: float) -> None:
+    """After the commit of what a run stored (``stored_at``, monotonic): announce it, keep a
+    final answer in this process's memory (``LOCAL_REPLAY_SECONDS``; Redis gets its copy at
+    the first replay), and wake the duplicates waiting for it."""
+    if kept.hold_seconds is not None:
+        events.handed_off(lease, kept.stored)  # no copy of a 202: the worker's answer replaces it
     else:
-        remember_completion(lease, stored, completed_at)
-    # After the commit (and the Redis copy): a woken duplicate's claim must find the response.
+        events.completed(lease, kept.stored)
+        # The copy expires with the record, which was given its TTL when it was stored.
+        ttl = (lease.ttl_seconds or conf.TTL_SECONDS) - (time.monotonic() - stored_at)
+        recent.remember(lease.identity, kept.stored, ttl)
     attach.notify(lease.using, lease.identity)
-    return _first_time(response)
-
-
-def remember_completion(lease: Lease, stored: StoredResponse, completed_at: float) -> None:
-    """Announce a completion just committed (``completed_at``, monotonic), and keep it in this
-    process's memory (``LOCAL_REPLAY_SECONDS``). Redis gets its copy at the first replay."""
-    events.completed(lease, stored)
-    # The copy expires with the record, which was given its TTL at the commit just done.
-    ttl = (lease.ttl_seconds or conf.TTL_SECONDS) - (time.monotonic() - completed_at)
-    recent.remember(lease.identity, stored, ttl)
 
 
 @events.instrumented("complete")
-def _complete(lease: Lease, stored: StoredResponse) -> None:
-    """Store the response; :class:`LeaseLost` (inside the span) when the key was taken over."""
-    if not store.complete(lease, stored):
+def _complete(lease: Lease, stored: StoredResponse, held_as: str) -> None:
+    """Store the answer; :class:`LeaseLost` (inside the span) when the key was taken over."""
+    if not store.complete(lease, stored, held_as=held_as):
         raise LeaseLost("the lease was taken over by another request")
 
 
@@ -420,11 +546,15 @@ def _accept(lease: Lease, stored: StoredResponse, hold_seconds: float) -> None:
         raise LeaseLost("the lease was taken over by another request")
 
 
-def release(lease: Lease, reason: str) -> None:
+def release(lease: Lease, reason: str, *, held_as: str = PROCESSING) -> None:
     """Give the key back so a retry runs at once. Never raises: if the database is gone, the
-    lease runs out instead and the retry takes the key over then."""
+    lease runs out instead and the retry takes the key over then.
+
+    What this process kept of the key is forgotten at once (``key_released``); the waiters are
+    woken once the release has committed.
+    """
     try:
-        released = store.release(lease)
+        released = store.release(lease, held_as=held_as)
     except UNAVAILABLE_ERRORS as exc:
         events.store_unavailable(
             lease.identity, "idempotency release failed; the key frees itself with its lease", exc
@@ -432,59 +562,70 @@ def release(lease: Lease, reason: str) -> None:
         return
     if released:
         events.released(lease.identity, reason)
-        attach.notify(lease.using, lease.identity)
+        transaction.on_commit(
+            partial(attach.notify, lease.using, lease.identity), using=lease.using, robust=True
+        )
+
+
+# --- the view door's run -----------------------------------------------------------------------
+
+
+def run(
+    lease: Lease,
+    call_view: CallView,
+    options: Options = DEFAULT_OPTIONS,
+    *,
+    request: HttpRequest | None = None,
+    view: Callable[..., Any] | None = None,
+) -> HttpResponseBase:
+    """Run the view through :func:`run_step`: its response stored, or the key released.
+
+    ``call_view`` returns the final response (rendered here when it is a template response).
+    Raises :class:`LeaseLostConflict` when another request took the key over meanwhile (the
+    view's writes rolled back) and :class:`StoreUnavailable` when the database went away;
+    re-raises whatever the view raised, after releasing the key.
+    """
+    if request is not None:
+        request.idempotency = lease  # type: ignore[attr-defined]
+    try:
+        ran = run_step(
+            lease,
+            partial(rendered, call_view),
+            partial(_keep_response, options),
+            also=_atomic_aliases(view),
+            heartbeat=options.heartbeat,
+        )
+    except LeaseLost as exc:
+        raise LeaseLostConflict() from exc
+    except UNAVAILABLE_ERRORS as exc:
+        raise StoreUnavailable() from exc
+    assert ran.value is not None
+    return _first_time(ran.value)
+
+
+def rendered(call: CallView) -> HttpResponseBase:
+    """The response ``call`` returns, rendered when it is a template response: the stored
+    bytes must be the ones sent."""
+    response = call()
+    if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
+        response.render()
+    return response
+
+
+def _keep_response(options: Options, response: HttpResponseBase) -> Keep | None:
+    """A hand-off's 202 is always kept (its work is enqueued in this transaction); any other
+    response when ``should_store`` says it is final."""
+    hand_off: HandOff | None = getattr(response, HANDED_OFF, None)
+    if hand_off is not None:
+        return Keep(capture(response), hand_off.hold_seconds)
+    if options.should_store(response):
+        return Keep(capture(response))
+    return None
 
 
 def _first_time(response: HttpResponseBase) -> HttpResponseBase:
     response[conf.REPLAY_HEADER] = "false"
     return response
-
-
-# --- the worker of a handed-off request --------------------------------------------------------
-
-
-class HandOffOutcome(enum.Enum):
-    """What became of one delivery of a handed-off request's work."""
-
-    #: The work ran and its final response is stored.
-    COMPLETED = "completed"
-    #: An earlier delivery completed it: nothing ran (a redelivery, a relay sending twice).
-    ALREADY_COMPLETED = "already_completed"
-    #: The key is no longer this hand-off's (its hold ran out and a retry took it over, or an
-    #: operator released it): nothing ran; the new owner does the work.
-    NOT_OURS = "not_ours"
-
-
-def finish_handed_off(
-    lease: Lease, work: Callable[[], HttpResponseBase]
-) -> tuple[HandOffOutcome, HttpResponseBase | None]:
-    """Run a handed-off request's work once, and store its final response with it.
-
-    One transaction: take the key up (locking its row, so a second delivery of the same work
-    waits for this one and then finds it done), run ``work``, store what it returns (replayed
-    to retries from then on), commit. ``lease`` carries the key and the owner token the
-    request handed over, and the worker's lease length (``lease_seconds``). If ``work``
-    raises, everything rolls back and the key stays ACCEPTED: the task's own retry runs it
-    again, and once the hold runs out a retry of the request takes the key over.
-    """
-    with transaction.atomic(using=lease.using):
-        if not store.resume(lease):
-            status = store.status_of(lease)
-            outcome = (
-                HandOffOutcome.ALREADY_COMPLETED if status == COMPLETED else HandOffOutcome.NOT_OURS
-            )
-            events.hand_off_skipped(lease.identity, outcome.value)
-            return outcome, None
-        response = work()
-        if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
-            response.render()
-        stored = capture(response)
-        if not store.complete(lease, stored, held_as=ACCEPTED):
-            raise LeaseLost("the handed-off key changed hands while its row was locked")
-        completed_at = time.monotonic()
-    remember_completion(lease, stored, completed_at)
-    attach.notify(lease.using, lease.identity)
-    return HandOffOutcome.COMPLETED, response
 
 
 # --- ATOMIC_REQUESTS ---------------------------------------------------------------------------
@@ -599,15 +740,30 @@ def _answer(
     view: Callable[..., Any] | None,
     error_response: ErrorResponse,
 ) -> HttpResponseBase:
-    match decision:
-        case None:
-            return unhandled(call_view, view)
-        case Replay(response=stored):
-            return replay(stored)
-        case Conflict() | Mismatch():
-            return error_response(refusal(decision))
-        case Proceed(lease=lease):
-            return run(lease, call_view, options, request=request, view=view)
+    return settle(decision, _ViewDoor(request, call_view, options, view, error_response))
+
+
+@dataclass(frozen=True, slots=True)
+class _ViewDoor:
+    """The middleware's and ``@idempotent``'s answer to each outcome of a claim."""
+
+    request: HttpRequest
+    call_view: CallView
+    options: Options
+    view: Callable[..., Any] | None
+    error_response: ErrorResponse
+
+    def unkeyed(self) -> HttpResponseBase:
+        return unhandled(self.call_view, self.view)
+
+    def replay(self, stored: StoredResponse) -> HttpResponseBase:
+        return replay(stored)
+
+    def refuse(self, decision: Conflict | Mismatch) -> HttpResponseBase:
+        return self.error_response(refusal(decision))
+
+    def proceed(self, lease: Lease) -> HttpResponseBase:
+        return run(lease, self.call_view, self.options, request=self.request, view=self.view)
 
 
 def _finish(request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:

@@ -794,9 +794,9 @@ def extend(lease: Lease) -> bool:
     return _update_owned(lease, {}, "extend", PROCESSING) == 1
 
 
-def release(lease: Lease) -> bool:
-    """Delete the record if this request still owns it (PROCESSING, our owner token), and let
-    go of its owner lock.
+def release(lease: Lease, *, held_as: str = PROCESSING) -> bool:
+    """Delete the record if this request still owns it (``held_as``, our owner token), and let
+    go of its owner lock. ``held_as`` is ACCEPTED for the worker of a handed-off request.
 
     Database errors propagate; the caller decides whether a failed release matters.
     """
@@ -813,7 +813,7 @@ def release(lease: Lease) -> bool:
             lease.identity.scope,
             lease.identity.key,
             _field("owner_token").get_db_prep_save(lease.owner_token, connection),
-            PROCESSING,
+            held_as,
             presence.lock_id(lease.owner_token),
         ]
         with prepared.cursor(connection) as cursor:
@@ -822,7 +822,7 @@ def release(lease: Lease) -> bool:
     deleted, _ = (
         IdempotencyRecord.objects.using(lease.using)
         .for_key(lease.identity.scope, lease.identity.key)
-        .filter(owner_token=lease.owner_token, status=PROCESSING)
+        .filter(owner_token=lease.owner_token, status=held_as)
         .delete()
     )
     if lease.owner_lock:

@@ -23,6 +23,9 @@ middleware (sync, async, and a DRF view without the mixin), ``@idempotent`` (syn
 ``hold`` (with any mode)
     after writing, say so on ``views.started[hold]`` and wait for ``views.gates[hold]`` (the
     ``gate`` fixture): a request held in flight in this process.
+``charge`` (with any mode)
+    first charge that order through ``@idempotent_function`` (``tests/testapp/charges.py``),
+    ``charge_times`` times (1 by default), as a helper might; a 201 carries the charge.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from rest_framework.views import APIView
 
 from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
-from tests.testapp import views
+from tests.testapp import charges, views
 from tests.testapp.models import Widget
 
 #: How many times each key reached the view (``*_once`` modes, and re-execution checks).
@@ -59,6 +62,10 @@ def behave(request: Any, data: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         mode = mode.removesuffix("_once") if calls[key] == 1 else "write"
     user = getattr(request, "user", None)
     who = str(user.pk) if user is not None and user.is_authenticated else "anonymous"
+    charged = None
+    if data.get("charge"):
+        for _ in range(int(data.get("charge_times", 1))):
+            charged = charges.charge(str(data["charge"]))
     widget = Widget.objects.create(name=str(data.get("name", "door")), created_by=who)
     if data.get("hold") in views.gates:
         views.started[data["hold"]].set()
@@ -81,7 +88,10 @@ def behave(request: Any, data: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         if isinstance(request, Request):
             raise exceptions.ValidationError({"name": ["not this one"]})
         return 400, {"name": ["not this one"]}
-    return 201, {"id": widget.pk, "who": who, "calls": calls[key]}
+    body: dict[str, Any] = {"id": widget.pk, "who": who, "calls": calls[key]}
+    if charged is not None:
+        body["charge"] = charged
+    return 201, body
 
 
 def _data(request: HttpRequest) -> dict[str, Any]:
@@ -156,4 +166,5 @@ urlpatterns = [
     path("decorator/async/", decorated_async),
     path("api-function/", api_function),
     path("mixin/", MixinView.as_view()),
+    path("handoff-charge/", charges.hand_off_charge),
 ]
