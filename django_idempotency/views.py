@@ -7,16 +7,17 @@
 * ``GET idempotency-keys/<key>/response``: the stored response itself, byte for byte as a retry
   would get it, marked as a replay (``409`` with ``Retry-After`` while the key is processing).
 
-The key is looked up in the caller's scope only, resolved exactly as for the writes
-(``SCOPE_RESOLVER``; with DRF, after DRF's authentication, see ``drf_views.py``). Everything that
-is not the caller's live key is the same ``404``: unknown, expired, released, malformed, or
+The key is looked up in the caller's scopes only, resolved exactly as for the writes
+(``SCOPE_RESOLVER``; with DRF, both after DRF's authentication, as the mixin scoped its writes,
+and before it, as the middleware scoped them; see ``drf_views.py``). Everything that is not the
+caller's live key is the same ``404``: unknown, expired, released, malformed, or
 another scope's, so an answer never tells that a key exists elsewhere. These plain Django views
 are the ones mounted when DRF is not installed; the answers are built here for both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
@@ -55,32 +56,46 @@ RESPONSE_LINK_RELATION = "response"
 RESPONSE_SEGMENT = "response"
 
 
-def lookup(scope: Callable[[], str], raw_key: str) -> store.KeyState:
+#: The scopes a caller's keys may live in, each asked only when the one before holds no such key.
+Scopes = Iterable[Callable[[], str]]
+
+
+def lookup(scopes: Scopes, raw_key: str) -> store.KeyState:
     """The caller's live key, or :class:`IdempotencyKeyNotFound` whatever else it is.
 
     ``raw_key`` is the key as stored (the characters between the quotes of a quoted key), taken
-    from the URL; the scope is asked only for a key that could exist.
+    from the URL; ``scopes`` are the caller's (one per door that may have scoped its writes
+    differently), asked in order and only for a key that could exist; a scope that cannot be
+    told (unscoped credentials) holds nothing.
     """
     try:
         # The URL carries the key itself; quoted and escaped, it goes through the header's own
         # parser, so exactly the keys a request could have claimed are looked up.
         key = parse_key('"' + raw_key.replace("\\", "\\\\").replace('"', '\\"') + '"')
-        owner = scope()
-    except (IdempotencyKeyInvalid, CredentialsNotScoped):
+    except IdempotencyKeyInvalid:
         raise IdempotencyKeyNotFound() from None
-    try:
-        state = store.read(owner, key)
-    except UNAVAILABLE_ERRORS as exc:
-        raise StoreUnavailable() from exc
-    if state is None:
-        raise IdempotencyKeyNotFound()
-    return state
+    asked: set[str] = set()
+    for scope in scopes:
+        try:
+            owner = scope()
+        except CredentialsNotScoped:
+            continue
+        if owner in asked:
+            continue
+        asked.add(owner)
+        try:
+            state = store.read(owner, key)
+        except UNAVAILABLE_ERRORS as exc:
+            raise StoreUnavailable() from exc
+        if state is not None:
+            return state
+    raise IdempotencyKeyNotFound()
 
 
-def key_status(request: HttpRequest, scope: Callable[[], str], raw_key: str) -> HttpResponse:
+def key_status(request: HttpRequest, scopes: Scopes, raw_key: str) -> HttpResponse:
     """The status answer (or our problem+json error) for ``GET idempotency-keys/<key>``."""
     try:
-        state = lookup(scope, raw_key)
+        state = lookup(scopes, raw_key)
     except IdempotencyHTTPError as error:
         return _private(problem_response(error))
     completed = state.status == COMPLETED
@@ -100,10 +115,10 @@ def key_status(request: HttpRequest, scope: Callable[[], str], raw_key: str) -> 
     return _private(response)
 
 
-def key_response(scope: Callable[[], str], raw_key: str) -> HttpResponse:
+def key_response(scopes: Scopes, raw_key: str) -> HttpResponse:
     """The stored response, as a retry gets it, for ``GET idempotency-keys/<key>/response``."""
     try:
-        state = lookup(scope, raw_key)
+        state = lookup(scopes, raw_key)
         if state.response is None:
             raise TransactionInProgress(wait=state.retry_after)
     except IdempotencyHTTPError as error:
@@ -133,11 +148,11 @@ class KeyStatusView(_KeyView):
     """``GET idempotency-keys/<key>`` without DRF: the scope from Django's ``request.user``."""
 
     def get(self, request: HttpRequest, key: str, **kwargs: Any) -> HttpResponseBase:
-        return key_status(request, partial(self.get_idempotency_scope, request), key)
+        return key_status(request, [partial(self.get_idempotency_scope, request)], key)
 
 
 class KeyResponseView(_KeyView):
     """``GET idempotency-keys/<key>/response`` without DRF."""
 
     def get(self, request: HttpRequest, key: str, **kwargs: Any) -> HttpResponseBase:
-        return key_response(partial(self.get_idempotency_scope, request), key)
+        return key_response([partial(self.get_idempotency_scope, request)], key)
