@@ -25,6 +25,7 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.db import router
 from django.db.models import Count, F, Field, Q, QuerySet
+from django.db.models.functions import Now
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
@@ -38,8 +39,8 @@ from django.utils.translation import gettext_lazy as _
 
 from django_idempotency import operations
 from django_idempotency.conf import conf
+from django_idempotency.core import leases, statuses
 from django_idempotency.core.failures import FINGERPRINT_LENGTH, normalise
-from django_idempotency.core.statemachine import HELD
 from django_idempotency.db import database_now
 from django_idempotency.inbox.operator import forget_failed_messages
 from django_idempotency.models import (
@@ -56,7 +57,6 @@ from django_idempotency.querysets import (
     FailedMessageQuerySet,
     OutboxEventQuerySet,
     OutboxStatus,
-    lease_expired_q,
 )
 
 __all__ = [
@@ -316,7 +316,7 @@ class StuckFilter(admin.SimpleListFilter):
         if self.value() == "yes":
             return queryset.stuck()  # type: ignore[attr-defined, no-any-return]
         if self.value() == "no":
-            return queryset.exclude(lease_expired_q(timezone.now()))
+            return queryset.exclude(leases.run_out_q())
         return None
 
 
@@ -395,12 +395,7 @@ class IdempotencyRecordAdmin(OperationsAdmin):
         """The list actions that release this one record, as buttons for its page: the same
         actions, permissions and messages as from the list."""
         actions = self.get_actions(request)
-        now = timezone.now()
-        running = (
-            record.status in HELD
-            and record.lease_expires_at is not None
-            and record.lease_expires_at > now
-        )
+        running = leases.running(record.status, record.lease_expires_at, self.judged_at(record))
         if running and "force_release_keys" in actions:
             return [
                 {
@@ -428,7 +423,17 @@ class IdempotencyRecordAdmin(OperationsAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         # The body can be a megabyte per row; the list never shows it, the detail page loads it.
-        return super().get_queryset(request).defer("response_body")
+        # Each row carries the database's time: leases are judged by the clock that wrote them,
+        # never by this web server's.
+        records: QuerySet[Any] = super().get_queryset(request).defer("response_body")
+        judged: QuerySet[Any] = records.annotate(judged_at=Now())
+        return judged
+
+    @staticmethod
+    def judged_at(record: IdempotencyRecord) -> datetime:
+        """The database's time when ``record`` was read (read now, for one read elsewhere)."""
+        judged: datetime | None = getattr(record, "judged_at", None)
+        return judged if judged is not None else database_now(record._state.db or "default")
 
     # --- columns and fields ---
 
@@ -452,23 +457,22 @@ class IdempotencyRecordAdmin(OperationsAdmin):
 
     @admin.display(description=_("age"), ordering="created_at")
     def age(self, record: IdempotencyRecord) -> str:
-        return health.elapsed(record.created_at, timezone.now())
+        return health.elapsed(record.created_at, self.judged_at(record))
 
     @admin.display(description=_("lease left"), ordering="lease_expires_at")
     def lease_left(self, record: IdempotencyRecord) -> str:
-        if record.status not in HELD or record.lease_expires_at is None:
+        if record.status not in statuses.HELD or record.lease_expires_at is None:
             return "–"
-        now = timezone.now()
+        now = self.judged_at(record)
         if record.lease_expires_at > now:
             return health.elapsed(now, record.lease_expires_at)
         return _("expired %(age)s ago") % {"age": health.elapsed(record.lease_expires_at, now)}
 
-    @staticmethod
-    def is_stuck(record: IdempotencyRecord) -> bool:
-        return (
-            record.status in HELD
-            and record.lease_expires_at is not None
-            and record.lease_expires_at <= timezone.now()
+    @classmethod
+    def is_stuck(cls, record: IdempotencyRecord) -> bool:
+        """Held, its lease run out (``core/leases.py``), by the database's clock."""
+        return record.status in statuses.HELD and not leases.running(
+            record.status, record.lease_expires_at, cls.judged_at(record)
         )
 
     @admin.display(description=_("stuck"))
@@ -479,7 +483,7 @@ class IdempotencyRecordAdmin(OperationsAdmin):
         return format_html(
             '<strong class="idempotency-alert">{}</strong> {}',
             _("Yes: the lease expired %(age)s ago.")
-            % {"age": health.elapsed(record.lease_expires_at, timezone.now())},
+            % {"age": health.elapsed(record.lease_expires_at, self.judged_at(record))},
             _(
                 "The request that held it died or overran; the client's next retry takes the "
                 "key over, or release it below."

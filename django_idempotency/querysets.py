@@ -11,7 +11,7 @@ from django.db import models
 from django.db.models import Count, F, Max, Min, Q
 from django.utils import timezone
 
-from django_idempotency.core import statemachine
+from django_idempotency.core import leases, statemachine
 
 __all__ = [
     "ACCEPTED",
@@ -30,13 +30,9 @@ __all__ = [
     "backing_off_q",
     "earlier_than_q",
     "BeforeInRelayOrder",
-    "expired_q",
     "Moment",
     "key_bucket",
-    "lease_expired_q",
     "lease_free_q",
-    "lease_running_q",
-    "stale_q",
 ]
 
 if TYPE_CHECKING:
@@ -60,37 +56,6 @@ COMPLETED = RecordStatus.COMPLETED
 ACCEPTED = RecordStatus.ACCEPTED
 
 
-# The rules of core/statemachine.py as filters; tests/test_statemachine.py holds them equal.
-
-
-def lease_running_q(now: datetime) -> Q:
-    """``statemachine.lease_running``: PROCESSING or ACCEPTED with a lease that has not run
-    out."""
-    return Q(status__in=statemachine.HELD, lease_expires_at__isnull=False, lease_expires_at__gt=now)
-
-
-def lease_expired_q(now: datetime) -> Q:
-    """PROCESSING or ACCEPTED, and its lease has run out: the request (or its worker) died or
-    overran (a "stuck" key)."""
-    return Q(status__in=statemachine.HELD) & (
-        Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lte=now)
-    )
-
-
-def expired_q(now: datetime) -> Q:
-    """``statemachine.is_expired``: past TTL, and not a request whose lease still runs."""
-    return Q(expires_at__lte=now) & (
-        ~Q(status__in=statemachine.HELD)
-        | Q(lease_expires_at__isnull=True)
-        | Q(lease_expires_at__lte=now)
-    )
-
-
-def stale_q(now: datetime, fingerprint: str) -> Q:
-    """What ``Verdict.TAKE_OVER`` may replace: the same request, its lease run out."""
-    return lease_expired_q(now) & Q(fingerprint=fingerprint)
-
-
 class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
     def for_key(self, scope: str, key: str) -> IdempotencyRecordQuerySet:
         return self.filter(scope=scope, key=key)
@@ -101,19 +66,22 @@ class IdempotencyRecordQuerySet(models.QuerySet["IdempotencyRecord"]):
     def completed(self) -> IdempotencyRecordQuerySet:
         return self.filter(status=COMPLETED)
 
-    def stuck(self, now: datetime | None = None) -> IdempotencyRecordQuerySet:
-        """PROCESSING records whose lease ran out: the request died or overran."""
-        return self.filter(lease_expired_q(now or timezone.now()))
+    # The lease rule's ORM form (``core/leases.py``): by the database's clock unless given a
+    # time read from it.
 
-    def lease_active(self, now: datetime | None = None) -> IdempotencyRecordQuerySet:
-        return self.filter(lease_running_q(now or timezone.now()))
+    def stuck(self, now: leases.Moment = None) -> IdempotencyRecordQuerySet:
+        """Held records whose lease ran out: the request (or its worker) died or overran."""
+        return self.filter(leases.run_out_q(now))
 
-    def expired(self, now: datetime | None = None) -> IdempotencyRecordQuerySet:
+    def lease_active(self, now: leases.Moment = None) -> IdempotencyRecordQuerySet:
+        return self.filter(leases.running_q(now))
+
+    def expired(self, now: leases.Moment = None) -> IdempotencyRecordQuerySet:
         """Records past their TTL: claims treat them as absent, the sweep deletes them."""
-        return self.filter(expired_q(now or timezone.now()))
+        return self.filter(leases.expired_q(now))
 
-    def live(self, now: datetime | None = None) -> IdempotencyRecordQuerySet:
-        return self.exclude(expired_q(now or timezone.now()))
+    def live(self, now: leases.Moment = None) -> IdempotencyRecordQuerySet:
+        return self.exclude(leases.expired_q(now))
 
 
 # --- Layer 3: the outbox -----------------------------------------------------------------------

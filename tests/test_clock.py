@@ -83,3 +83,29 @@ def test_completion_and_expiry_are_stamped_by_the_database(skew):
     now = database_now("default")
     assert abs(record.completed_at - now) < SLACK
     assert abs(record.expires_at - (now + timedelta(seconds=86400))) < SLACK
+
+
+def test_the_admin_and_the_health_panel_judge_leases_by_the_databases_clock(admin_client):
+    """A running lease (by the database's clock) is never shown stuck by a web node whose clock
+    runs ahead: not in the list, not by the "stuck" filter, not on its page, not in the panel."""
+    from django.urls import reverse
+
+    from django_idempotency.operations import health
+
+    ident = identity()
+    with held_elsewhere(ident):
+        changelist = reverse("admin:django_idempotency_idempotencyrecord_changelist")
+        record = IdempotencyRecord.objects.get(key=ident.key)
+        page = reverse("admin:django_idempotency_idempotencyrecord_change", args=[record.pk])
+        with freeze_time(timezone.now() + SKEW, tick=True):
+            stuck_only = admin_client.get(changelist, {"stuck": "yes"})
+            not_stuck = admin_client.get(changelist, {"stuck": "no"})
+            detail = admin_client.get(page)
+            sections = health.snapshot()
+    assert ident.key not in stuck_only.content.decode()
+    assert ident.key in not_stuck.content.decode()
+    assert "Force release" in detail.content.decode()  # a running lease: only a forced release
+    assert "expired" not in detail.content.decode().split("lease left")[-1][:200]
+    [records] = [section for section in sections if section.model is IdempotencyRecord]
+    [stuck] = [figure for figure in records.figures if str(figure.label) == "stuck"]
+    assert stuck.value == "0"

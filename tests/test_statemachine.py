@@ -1,6 +1,6 @@
-"""The rules of ``core/statemachine.py``, exhaustively, and every other place that states them
-(the querysets' filters, the record store's claim on each backend, the PostgreSQL statement)
-held equal to them with hypothesis."""
+"""The rules of ``core/statemachine.py`` and ``core/leases.py``, exhaustively, and every other
+form that states them (the lease rule's ORM and SQL forms, the record store's claim on each
+backend, the PostgreSQL statement) held equal to them with hypothesis."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.db import connection
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from django_idempotency.core import leases
+from django_idempotency.core.leases import expired_q, run_out_q, running_q
+from django_idempotency.core.leases import running as lease_running
 from django_idempotency.core.statemachine import (
     ACCEPTED,
     COMPLETED,
@@ -22,13 +26,11 @@ from django_idempotency.core.statemachine import (
     Verdict,
     is_expired,
     judge,
-    lease_running,
     seconds_left,
 )
 from django_idempotency.core.types import Conflict, Identity, Mismatch, Proceed, Replay
 from django_idempotency.db import database_now
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.querysets import expired_q, lease_expired_q, lease_running_q, stale_q
 from django_idempotency.request import presence, store
 from tests.factories import identity
 
@@ -127,16 +129,36 @@ def test_the_querysets_select_what_the_rules_say(rows: list[RecordState]):
     def by_rule(rule) -> set[int]:
         return {pk for pk, record in stored.items() if rule(record)}
 
-    assert selected(expired_q(NOW)) == by_rule(lambda r: is_expired(r, NOW))
-    assert selected(lease_running_q(NOW)) == by_rule(
-        lambda r: lease_running(r.status, r.lease_expires_at, NOW)
-    )
-    assert selected(lease_expired_q(NOW)) == by_rule(
+    expired = by_rule(lambda r: is_expired(r, NOW))
+    running = by_rule(lambda r: lease_running(r.status, r.lease_expires_at, NOW))
+    run_out = by_rule(
         lambda r: r.status in HELD and not lease_running(r.status, r.lease_expires_at, NOW)
     )
-    assert selected(stale_q(NOW, MINE) & ~expired_q(NOW)) == by_rule(
+    assert selected(expired_q(NOW)) == expired
+    assert selected(running_q(NOW)) == running
+    assert selected(run_out_q(NOW)) == run_out
+    assert selected(store._stale_q(NOW, MINE) & ~expired_q(NOW)) == by_rule(
         lambda r: judge(r, MINE, NOW) is Verdict.TAKE_OVER
     )
+    # The SQL forms, in a plain statement as the claim and the partitions use them.
+    assert selected_by_sql(leases.expired_sql) == expired
+    assert selected_by_sql(leases.running_sql) == running
+    assert selected_by_sql(leases.run_out_sql) == run_out
+
+
+def selected_by_sql(condition) -> set[int]:
+    quote = connection.ops.quote_name
+    table = quote(IdempotencyRecord._meta.db_table)
+
+    def column(name: str) -> str:
+        return f"r.{quote(IdempotencyRecord._meta.get_field(name).column)}"
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT r.{quote('id')} FROM {table} AS r WHERE {condition(column, '%(now)s')}",
+            {"now": NOW},
+        )
+        return {row[0] for row in cursor.fetchall()}
 
 
 # --- the store's claim, on every backend and both PostgreSQL paths ----------------------------

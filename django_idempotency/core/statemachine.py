@@ -1,11 +1,11 @@
 """The request state machine: a stored record, a request's fingerprint and the database's time in,
 a verdict out.
 
-Every rule about a key lives here once: when a record counts as absent (expired), when a lease is
-still running, what a retry gets. The record store (``request/store.py``) applies these verdicts
-under its locks, the admin and the sweeps ask the same questions, and the PostgreSQL claim
-statement (``db/postgresql.py``) says them in SQL, checked against this module by a property
-test. Nothing here knows Django, a request or a database.
+Every rule about what a retry gets lives here once; when a lease runs and when a record counts as
+absent (expired) is ``core/leases.py``'s, in its Python, ORM and SQL forms. The record store
+(``request/store.py``) applies these verdicts under its locks, and the PostgreSQL claim statement
+(``db/postgresql.py``) says them in SQL, checked against this module by a property test. Nothing
+here knows a request or a database.
 
 Times are the database's: a record's lease is measured by the clock that wrote it, never by the
 clock of the web server asking, so servers whose clocks disagree cannot both own one key.
@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
+from django_idempotency.core import leases
+from django_idempotency.core.statuses import ACCEPTED, COMPLETED, HELD, PROCESSING
+
 __all__ = [
     "ACCEPTED",
     "COMPLETED",
@@ -29,19 +32,8 @@ __all__ = [
     "Verdict",
     "is_expired",
     "judge",
-    "lease_running",
     "seconds_left",
 ]
-
-#: A request holds the key (its lease may have run out).
-PROCESSING = "PROCESSING"
-#: The response is stored; retries replay it until the record expires.
-COMPLETED = "COMPLETED"
-#: The request handed its work to a worker and answered 202 (stored, replayed to retries); the
-#: worker holds the key, fenced by the same owner token, until it stores the final response.
-ACCEPTED = "ACCEPTED"
-#: The statuses in which somebody holds the key under a lease: the request, or its worker.
-HELD = (PROCESSING, ACCEPTED)
 
 
 class StoredState(Protocol):
@@ -89,20 +81,10 @@ class Verdict(enum.Enum):
     MISMATCH = "mismatch"
 
 
-def lease_running(status: str, lease_expires_at: datetime | None, now: datetime) -> bool:
-    """A request, or the worker it handed off to, holds the key right now: PROCESSING or
-    ACCEPTED with a lease that has not run out."""
-    return status in HELD and lease_expires_at is not None and lease_expires_at > now
-
-
 def is_expired(record: StoredState, now: datetime) -> bool:
-    """Past its TTL and not held by a running lease: a claim treats the record as absent.
-
-    A slow request keeps its record however old it is; the TTL never cuts a lease short.
-    """
-    return record.expires_at <= now and not lease_running(
-        record.status, record.lease_expires_at, now
-    )
+    """Past its TTL and not held by a running lease: a claim treats the record as absent
+    (``leases.expired``)."""
+    return leases.expired(record.status, record.lease_expires_at, record.expires_at, now)
 
 
 def judge(
@@ -119,7 +101,7 @@ def judge(
         return Verdict.MISMATCH
     if record.status == COMPLETED:
         return Verdict.REPLAY
-    if lease_running(record.status, record.lease_expires_at, now):
+    if leases.running(record.status, record.lease_expires_at, now):
         if record.status == ACCEPTED:
             # A worker's lease is never cut short: it holds no session lock to tell by.
             return Verdict.HANDED_OFF

@@ -13,6 +13,8 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_idempotency.core import leases
+
 __all__ = [
     "NOW",
     "HOLD_OWNER_LOCK",
@@ -225,14 +227,8 @@ def claim_statement(
     def col(name: str) -> str:
         return f"r.{column(name)}"
 
-    held = f"{col('status')} IN ('PROCESSING', 'ACCEPTED')"
-    lease_running = (
-        f"({held} AND {col('lease_expires_at')} IS NOT NULL AND {col('lease_expires_at')} > {NOW})"
-    )
-    expired = f"({col('expires_at')} <= {NOW} AND NOT {lease_running})"
-    # Held, and its lease not running: run out, or none at all.
-    lease_out = f"({col('lease_expires_at')} IS NULL OR {col('lease_expires_at')} <= {NOW})"
-    stale = f"({held} AND {lease_out} AND {col('fingerprint')} = %(fingerprint)s)"
+    expired = leases.expired_sql(col, NOW)
+    stale = f"({leases.run_out_sql(col, NOW)} AND {col('fingerprint')} = %(fingerprint)s)"
     fixed = dict(literals or {})
 
     def value(name: str) -> str:

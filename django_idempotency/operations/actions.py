@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from django.db.models import QuerySet
 
 from django_idempotency import signals
-from django_idempotency.core.statemachine import lease_running
+from django_idempotency.core import leases
 from django_idempotency.db import database_now
 from django_idempotency.db.batches import Row, locked_batches
 from django_idempotency.models import IdempotencyRecord
@@ -58,7 +58,7 @@ def release_records(
         # Judged as the row is now, not as the admin page showed it: a stuck key may have been
         # taken over by a retry since, and is then running again.
         now = database_now(using)  # leases are the database's, whatever this machine's clock says
-        chosen = [row for row in rows if force or not lease_running(row[3], row[4], now)]
+        chosen = [row for row in rows if force or not leases.running(row[3], row[4], now)]
         IdempotencyRecord.objects.using(using).filter(pk__in=[row[0] for row in chosen]).delete()
         return chosen, len(rows) - len(chosen)
 

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from django.db import connections, models
+from django.db import connections, models, router
 from django.db.models import Min
-from django.utils import timezone
 from django.utils.formats import number_format
 from django.utils.timesince import timesince
 from django.utils.translation import gettext as _
 
 from django_idempotency.conf import conf
+from django_idempotency.db import database_now
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
 from django_idempotency.querysets import OutboxStatus, RecordStatus
 
@@ -206,5 +206,6 @@ SECTIONS: list[Callable[[datetime], Section]] = [records_section, outbox_section
 
 
 def snapshot(now: datetime | None = None) -> list[Section]:
-    now = now or timezone.now()
+    """The panel's sections at ``now``: the database's time, by which every lease is judged."""
+    now = now or database_now(router.db_for_read(IdempotencyRecord))
     return [section(now) for section in SECTIONS]

@@ -49,6 +49,7 @@ from django.db import connections, models, router, transaction
 from django.utils.dateparse import parse_datetime
 
 from django_idempotency.conf import conf
+from django_idempotency.core import leases
 from django_idempotency.db import database_now
 from django_idempotency.exceptions import IdempotencyConfigurationError
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
@@ -150,7 +151,7 @@ class Layout:
     def column(self, name: str) -> str:
         return str(self.model._meta.get_field(name).column)  # type: ignore[union-attr]
 
-    def live(self, using: str, now: datetime) -> tuple[str, str, list[Any]]:
+    def live(self, using: str, now: datetime) -> tuple[str, str, dict[str, Any]]:
         """The SQL that labels a live row (the kind it is counted as), the condition that
         finds the live rows, and the condition's parameters."""
 
@@ -165,20 +166,17 @@ class Layout:
             )
             condition = (
                 f"({col('status')} <> 'PUBLISHED' OR {col('published_at')} IS NULL "
-                f"OR {col('published_at')} > %s)"
+                f"OR {col('published_at')} > %(since)s)"
             )
-            return label, condition, [now - self.retention]
+            return label, condition, {"since": now - self.retention}
         if self.model is ProcessedMessage:
             # A partition past the retention holds none; counted all the same.
-            condition = f"{col('processed_at')} > %s"
-            return "'within retention'", condition, [now - self.retention]
-        # ``NOT statemachine.is_expired``: unexpired, or held under a running lease. Both
-        # halves are served by the model's indexes.
-        condition = (
-            f"({col('expires_at')} > %s OR ({col('status')} IN ('PROCESSING', 'ACCEPTED') "
-            f"AND {col('lease_expires_at')} > %s))"
-        )
-        return "'live'", condition, [now, now]
+            condition = f"{col('processed_at')} > %(since)s"
+            return "'within retention'", condition, {"since": now - self.retention}
+        # Not expired (``core/leases.py``): unexpired, or held under a running lease, judged at
+        # ``now``, the database's time. Both halves are served by the model's indexes.
+        at = "CAST(%(now)s AS timestamp with time zone)"
+        return "'live'", f"NOT {leases.expired_sql(col, at)}", {"now": now}
 
 
 RECORDS = Layout(

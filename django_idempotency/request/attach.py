@@ -33,11 +33,10 @@ from types import TracebackType
 
 from django.db import connections
 from django.db.models import Q
-from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponseBase
 
 from django_idempotency.conf import DEFAULTS, conf
-from django_idempotency.core.statemachine import HELD
+from django_idempotency.core import leases
 from django_idempotency.core.types import Identity
 from django_idempotency.exceptions import IdempotencyConfigurationError
 from django_idempotency.models import IdempotencyRecord
@@ -323,7 +322,7 @@ def still_running(using: str, pairs: list[tuple[str, str]]) -> set[tuple[str, st
         named |= Q(scope=scope, key=key)
     rows = (
         IdempotencyRecord.objects.using(using)
-        .filter(named, status__in=HELD, lease_expires_at__gt=Now())
+        .filter(named, leases.running_q())
         .values_list("scope", "key")
     )
     return {(str(scope), str(key)) for scope, key in rows}

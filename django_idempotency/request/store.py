@@ -36,9 +36,10 @@ from typing import Any, NamedTuple, cast
 
 from django.db import IntegrityError, connections, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Field
+from django.db.models import Field, Q
 
 from django_idempotency.conf import conf
+from django_idempotency.core import leases
 from django_idempotency.core.statemachine import (
     ACCEPTED,
     COMPLETED,
@@ -62,7 +63,6 @@ from django_idempotency.db import database_now, dialect, prepared, to_datetime
 from django_idempotency.db import postgresql as pg
 from django_idempotency.exceptions import PartitionMissing
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.querysets import expired_q, stale_q
 from django_idempotency.request import presence
 
 __all__ = [
@@ -275,7 +275,7 @@ def _claim_portable(
                 IdempotencyRecord.objects.using(using)
                 .for_key(identity.scope, identity.key)
                 .filter(pk=record.pk, owner_token=record.owner_token)
-                .filter(stale_q(now, identity.fingerprint) if takeover else expired_q(now))
+                .filter(_stale_q(now, identity.fingerprint) if takeover else leases.expired_q(now))
                 .update(
                     **values,
                     attempts=attempt,
@@ -293,6 +293,11 @@ def _claim_portable(
     return Proceed(
         terms.lease_for(identity, owner_token, lease_expires_at, attempt, using, held.taken)
     )
+
+
+def _stale_q(now: datetime, fingerprint: str) -> Q:
+    """What ``Verdict.TAKE_OVER`` may replace: the same request, its lease run out."""
+    return leases.run_out_q(now) & Q(fingerprint=fingerprint)
 
 
 class _HeldLock:
