@@ -151,21 +151,21 @@ def _kill(process: subprocess.Popen[bytes]) -> None:
 @contextmanager
 def held_by_a_running_relay(*events: OutboxEvent) -> Iterator[None]:
     """Hold the session locks of leased events' batches on this connection, as the relay
-    publishing them would: other relays then see that relay as alive (outbox/presence.py)."""
-    from django_idempotency.outbox import presence
+    publishing them would: other relays then see that relay as alive (db/session_locks.py)."""
+    from django_idempotency.db import session_locks
 
     using = connection.alias
     tokens = [event.relay_token for event in events if event.relay_token is not None]
-    if not presence.enabled(using):
+    if not session_locks.enabled(using):
         yield
         return
     for token in tokens:
-        presence.hold(using, token)
+        session_locks.hold_batch(using, token)
     try:
         yield
     finally:
         for token in tokens:
-            presence.let_go(using, token)
+            session_locks.let_go_of_batch(using, token)
 
 
 def wait_for(condition: Callable[[], Any], *, timeout: float = 60, what: str = "condition") -> Any:

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from django.db import connection, transaction
 
+from django_idempotency.db.session_locks import fleet
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import publish
-from django_idempotency.outbox.presence import fleet
 from tests.outbox_support import database_env, spawned, wait_for
 
 pytestmark = [
@@ -129,7 +129,7 @@ def test_a_stuck_relays_share_waits_at_most_a_lease():
     from django.db import connections
     from django.db.models import F
 
-    from django_idempotency.outbox.presence import take_seat
+    from django_idempotency.db.session_locks import take_seat
     from django_idempotency.outbox.relay import Relay
     from django_idempotency.publishers.memory import broker
     from tests.outbox_support import published_ids
@@ -170,7 +170,7 @@ def test_relays_of_another_database_on_the_server_are_not_counted():
     service's outbox, another test run) are no part of this outbox's fleet, whereas the server
     shows every database's advisory locks (PostgreSQL) and ``GET_LOCK`` names are the server's
     (MariaDB/MySQL)."""
-    from django_idempotency.outbox.presence import Seat, seat_connection, take_seat
+    from django_idempotency.db.session_locks import Seat, seat_connection, take_seat
 
     elsewhere, here = seat_connection("records"), seat_connection(connection.alias)
     try:

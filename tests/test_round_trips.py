@@ -380,9 +380,9 @@ def test_a_relay_claim_and_its_acknowledgement_are_one_statement_each_on_postgre
     The other backends' counts are held too, so that they do not grow unnoticed."""
     from django.utils import timezone
 
+    from django_idempotency.db import session_locks
     from django_idempotency.exceptions import BrokerUnavailable, PublishError
     from django_idempotency.models import OutboxEvent
-    from django_idempotency.outbox import presence
     from django_idempotency.outbox.relay import Relay
     from tests.outbox_support import CeilingRandom, publish_committed
 
@@ -394,7 +394,7 @@ def test_a_relay_claim_and_its_acknowledgement_are_one_statement_each_on_postgre
     OutboxEvent.objects.filter(pk__in=[outage.pk, dying.pk]).update(attempts=2)
     relay = Relay(rng=CeilingRandom())
     if fleet > 1:
-        relay._seat = presence.Seat(number=0, rank=0, fleet=fleet)
+        relay._seat = session_locks.Seat(number=0, rank=0, fleet=fleet)
 
     with django_assert_num_queries(RELAY_CLAIM[vendor]) as captured:
         events, clock = relay._claim()

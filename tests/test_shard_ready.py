@@ -18,9 +18,10 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_idempotency.core import types
+from django_idempotency.db import session_locks
 from django_idempotency.inbox.consumers import consume_once
 from django_idempotency.models import FailedMessage, IdempotencyRecord, ProcessedMessage
-from django_idempotency.request import presence, store
+from django_idempotency.request import store
 from tests.factories import held_elsewhere
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -135,7 +136,7 @@ def test_an_expired_record_claimed_again(scope, key):
 
 @pytest.mark.usefixtures("claim_path")
 def test_a_takeover_from_a_dead_owner(scope, key):
-    if not presence.enabled(store.database_alias()):
+    if not session_locks.enabled(store.database_alias()):
         pytest.skip("owners hold session locks on PostgreSQL and MariaDB only")
     with held_elsewhere(identity(scope, key)):
         pass  # that request's connection is gone now, its lease still running

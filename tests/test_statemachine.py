@@ -29,9 +29,9 @@ from django_idempotency.core.statemachine import (
     seconds_left,
 )
 from django_idempotency.core.types import Conflict, Identity, Mismatch, Proceed, Replay
-from django_idempotency.db import database_now
+from django_idempotency.db import database_now, session_locks
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.request import presence, store
+from django_idempotency.request import store
 from tests.factories import identity
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
@@ -203,7 +203,7 @@ def claim_as_the_rules_say(
     )  # fmt: skip
     # Nobody holds the record's owner lock (it was written here, not claimed): where owners hold
     # locks, a running lease of a request that is gone is taken over at once.
-    verdict = judge(record, MINE, now, owner_gone=presence.enabled("default"))
+    verdict = judge(record, MINE, now, owner_gone=session_locks.enabled("default"))
     decision = store.claim(ident, uuid.uuid4())
     assert isinstance(decision, DECISION[verdict]), (record, verdict, decision)
     if isinstance(decision, Proceed):

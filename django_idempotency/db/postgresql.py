@@ -473,7 +473,7 @@ def outbox_claim_statement(
       back until the next pass, and one it does not see yet cannot be earlier than a visible
       event of its key (``publish()`` makes same-key ids follow commit order).
     * ``lock``: with ``relay_lock`` (its id), the batch's relay lock (a session advisory lock,
-      see outbox/presence.py), taken once, only when there is a batch, and inside the statement,
+      see db/session_locks.py), taken once, only when there is a batch, and inside the statement,
       so before the lease commits: no relay can see the lease without the lock. The lock
       outlives the transaction; the acknowledgement lets go of it.
     * ``claimed``: the lease (``lease_seconds`` from the moment of the update, so it never

@@ -44,9 +44,8 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
-from django_idempotency.db import database_now
+from django_idempotency.db import database_now, session_locks
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
-from django_idempotency.outbox import presence
 from django_idempotency.outbox.publish import publish
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.base import OutboxMessage, Publisher
@@ -868,14 +867,14 @@ def _gate_held(using: str) -> Iterator[uuid.UUID]:
     release at once (``Relay._release_batches_of_gone_relays``), and would then publish the gate
     and take the scratch events before this run's relays."""
     token = uuid.uuid4()
-    held = presence.enabled(using)
+    held = session_locks.enabled(using)
     if held:
-        presence.hold(using, token)
+        session_locks.hold_batch(using, token)
     try:
         yield token
     finally:
         if held:
-            presence.let_go(using, token)
+            session_locks.let_go_of_batch(using, token)
 
 
 def _scratch_events(

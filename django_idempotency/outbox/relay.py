@@ -36,9 +36,9 @@ meanwhile) keeps the outcomes and records them first thing when the database ans
 before it claims anything, so a database restart costs its duration, not a lease. While a batch
 is being published a thread renews its lease (a third of the lease at a time), so the lease can
 be short: it only matters for a relay that is alive but cannot reach the database, or that is
-gone on a backend without presence locks. A relay that is gone is found sooner on PostgreSQL and
-MariaDB: each batch holds a session lock (see presence.py), and between batches a relay releases
-the batches at the head of the outbox whose lock nobody holds.
+gone on a backend without session locks. A relay that is gone is found sooner on PostgreSQL and
+MariaDB: each batch holds a session lock (see db/session_locks.py), and between batches a relay
+releases the batches at the head of the outbox whose lock nobody holds.
 
 MariaDB's own default is REPEATABLE READ (Django's MySQL backend asks for READ COMMITTED unless
 ``OPTIONS["isolation_level"]`` says otherwise). Under REPEATABLE READ a snapshot lives as long as
@@ -78,10 +78,16 @@ from django.utils import timezone
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
 from django_idempotency.core.failures import describe, failure_fingerprint, failure_traceback
-from django_idempotency.db import database_now, dialect, postgresql, prepared, to_datetime
+from django_idempotency.db import (
+    database_now,
+    dialect,
+    postgresql,
+    prepared,
+    session_locks,
+    to_datetime,
+)
 from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox import presence
 from django_idempotency.outbox.publish import NOTIFY_CHANNEL
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 from django_idempotency.publishers.routing import PublisherSet
@@ -186,7 +192,7 @@ class Relay:
     publishers (and their broker connections) between passes.
 
     ``share_keys``: take a seat among the relays and claim only this relay's share of the keys
-    (see presence.py). :meth:`run_forever` turns it on; a relay that only drains once (the
+    (see db/session_locks.py). :meth:`run_forever` turns it on; a relay that only drains once (the
     on-commit kick, the Celery task, a test) claims from every key and opens no connection for a
     seat.
     """
@@ -212,9 +218,9 @@ class Relay:
         #: A published batch whose outcomes the database could not take yet.
         self._unrecorded: _Outcomes | None = None
         self._next_look_for_gone_relays = 0.0
-        #: This relay's seat among the relays (see presence.py), looked at once a second, and
-        #: the connection of its own that holds it.
-        self._seat: presence.Seat | None = None
+        #: This relay's seat among the relays (see db/session_locks.py), looked at once a second,
+        #: and the connection of its own that holds it.
+        self._seat: session_locks.Seat | None = None
         self._seat_connection: BaseDatabaseWrapper | None = None
         self._next_look_at_seat = 0.0
 
@@ -285,7 +291,7 @@ class Relay:
 
     def _release_batches_of_gone_relays(self) -> int:
         """Release the leases, at the head of the outbox, of batches whose relay is gone."""
-        if not presence.enabled(self.using):
+        if not session_locks.enabled(self.using):
             return 0
         if time.monotonic() < self._next_look_for_gone_relays:
             return 0
@@ -296,7 +302,7 @@ class Relay:
             for token in head.values_list("relay_token", flat=True)[:_HEAD_OF_OUTBOX]
             if token is not None
         }
-        gone = presence.gone(self.using, tokens)
+        gone = session_locks.batches_gone(self.using, tokens)
         if not gone:
             return 0
         released = (
@@ -315,15 +321,15 @@ class Relay:
 
     def _look_at_seat(self) -> None:
         """Hold a seat among the relays, and learn how many there are (at most once a second)."""
-        if not (self.share_keys and presence.enabled(self.using)):
+        if not (self.share_keys and session_locks.enabled(self.using)):
             return
         if time.monotonic() < self._next_look_at_seat:
             return
         self._next_look_at_seat = time.monotonic() + _LOOK_FOR_GONE_RELAYS_SECONDS
         if self._seat_connection is None:
-            self._seat_connection = presence.seat_connection(self.using)
+            self._seat_connection = session_locks.seat_connection(self.using)
         try:
-            self._seat = presence.take_seat(self._seat_connection)
+            self._seat = session_locks.take_seat(self._seat_connection)
         except DatabaseError:
             self._leave_seat()  # a new connection, and a seat on it, at the next look
             raise
@@ -442,7 +448,7 @@ class Relay:
             fallback=fallback,
             returned=[_quoted_column(connection, field) for field in _event_fields()],
             pending=OutboxStatus.PENDING,
-            relay_lock=presence.lock_id(token) if presence.enabled(self.using) else None,
+            relay_lock=session_locks.lock_id(token) if session_locks.enabled(self.using) else None,
             lease_seconds=self.lease_seconds,
             token=token,
         )
@@ -454,7 +460,7 @@ class Relay:
             # Nothing was left to lease once the lock was taken (the fence found every row
             # changed): let go of the lock of a batch that does not exist.
             with contextlib.suppress(DatabaseError):
-                presence.let_go(self.using, token)
+                session_locks.let_go_of_batch(self.using, token)
         return events, clock
 
     def _compile(self, candidates: OutboxEventQuerySet) -> postgresql.Fragment:
@@ -510,9 +516,9 @@ class Relay:
             if not rows:
                 return [], clock
             token = uuid.uuid4()
-            if presence.enabled(self.using):
+            if session_locks.enabled(self.using):
                 # Before the lease commits, so no relay ever sees the batch without its lock.
-                presence.hold(self.using, token)
+                session_locks.hold_batch(self.using, token)
             # The lease runs from now, not from ``now``: the claim may have queued for row locks
             # (without SKIP LOCKED), and the publish budget counts from after the claim, so a
             # lease counted from before the wait could run out first.
@@ -531,7 +537,9 @@ class Relay:
             row.locked_until, row.relay_token = until, token
         return rows, clock
 
-    def _share(self, candidates: OutboxEventQuerySet, seat: presence.Seat) -> OutboxEventQuerySet:
+    def _share(
+        self, candidates: OutboxEventQuerySet, seat: session_locks.Seat
+    ) -> OutboxEventQuerySet:
         """The candidates whose key hashes to this relay's rank (and those without a key)."""
         key_hash = Func(
             F("key"), function=dialect(self.using).KEY_HASH, output_field=BigIntegerField()
@@ -726,7 +734,7 @@ class Relay:
         """PostgreSQL: every outcome and the lock's release in one statement, in autocommit
         (``db.postgresql.outbox_ack_statement``); the ids of the events it changed."""
         connection = connections[self.using]
-        relay_lock = presence.enabled(self.using) and token is not None
+        relay_lock = session_locks.enabled(self.using) and token is not None
         rows: list[tuple[int, str, dict[str, Any]]] = [
             *((event.pk, postgresql.ACK_SENT, _SENT) for event in sent),
             *((failure.event.pk, postgresql.ACK_FAILED, failure.changes) for failure in failures),
@@ -742,7 +750,7 @@ class Relay:
             params[name] = [changes.get(name) for _, _, changes in rows]
         if relay_lock:
             assert token is not None
-            params["relay_lock"] = presence.lock_id(token)
+            params["relay_lock"] = session_locks.lock_id(token)
         with prepared.cursor(connection) as cursor:
             cursor.execute(_ack_statement(self.using, relay_lock), params)
             changed, _ = cursor.fetchone()
@@ -773,11 +781,11 @@ class Relay:
                     )
             if untried:
                 mine.filter(pk__in=untried).update(locked_until=None, relay_token=None)
-        if presence.enabled(self.using) and token is not None:
+        if session_locks.enabled(self.using) and token is not None:
             # After the commit: until then the batch's rows still carry the token. A lock lost
             # with a broken connection needs no letting go.
             with contextlib.suppress(DatabaseError):
-                presence.let_go(self.using, token)
+                session_locks.let_go_of_batch(self.using, token)
         return owned
 
     def _announce(

@@ -59,11 +59,10 @@ from django_idempotency.core.types import (
     Replay,
     StoredResponse,
 )
-from django_idempotency.db import database_now, dialect, prepared, to_datetime
+from django_idempotency.db import database_now, dialect, prepared, session_locks, to_datetime
 from django_idempotency.db import postgresql as pg
 from django_idempotency.exceptions import PartitionMissing
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.request import presence
 
 __all__ = [
     "CLAIM_ROUNDS",
@@ -190,15 +189,15 @@ def _decision(
     """The state machine's verdict, turned into a decision when it needs no write.
 
     A key held by a running lease is asked one more question where owners hold session locks
-    (``presence.py``): is its owner still there?
+    (``db/session_locks.py``): is its owner still there?
     """
     verdict = judge(record, identity.fingerprint, now)
     if record is None:
         return verdict
     if (
         verdict is Verdict.CONFLICT
-        and presence.enabled(using)
-        and presence.owner_gone(using, record.owner_token)
+        and session_locks.enabled(using)
+        and session_locks.owner_gone(using, record.owner_token)
     ):
         verdict = judge(record, identity.fingerprint, now, owner_gone=True)
     if verdict is Verdict.REPLAY:
@@ -320,12 +319,12 @@ def _owner_lock(using: str, owner_token: uuid.UUID) -> Iterator[_HeldLock]:
     claim statement takes it in the same statement as its write, so it is held before the row
     is visible.) The lock is let go again if the claim does not win.
     """
-    held = _HeldLock(presence.enabled(using) and presence.hold(using, owner_token))
+    held = _HeldLock(session_locks.enabled(using) and session_locks.hold_owner(using, owner_token))
     try:
         yield held
     finally:
         if held.taken and not held.kept:
-            presence.let_go(using, owner_token)
+            session_locks.let_go_of_owner(using, owner_token)
 
 
 def _take_over_dead_owner(
@@ -440,7 +439,7 @@ def _claim_postgresql(
     """One statement (``db/postgresql.py``): claimed, or the row and the time to judge it by."""
     using = connection.alias
     params = _claim_params(identity, owner_token, terms)
-    owner_lock = presence.enabled_on(connection)
+    owner_lock = session_locks.enabled_on(connection)
     # A plain cursor rather than .raw(): this runs on every write request, and building the row
     # by hand costs a fraction of RawQuerySet's column resolution. Binary results: the row's
     # timestamps, token and body decode without parsing text.
@@ -504,7 +503,10 @@ def _claim_partitioned(
     """
     using = connection.alias
     params = _claim_params(identity, owner_token, terms)
-    owner_lock, own_transaction = presence.enabled_on(connection), not connection.in_atomic_block
+    owner_lock, own_transaction = (
+        session_locks.enabled_on(connection),
+        not connection.in_atomic_block,
+    )
     call = _claim_function(using, owner_lock, own_transaction)
     try:
         with prepared.cursor(connection, binary=True) as cursor:
@@ -616,7 +618,7 @@ def _claim_params(identity: Identity, owner_token: uuid.UUID, terms: _Terms) -> 
     }
     params["lease_seconds"] = terms.lease_seconds
     params["expiry_seconds"] = terms.lease_seconds + terms.ttl_seconds
-    params["owner_lock"] = presence.lock_id(owner_token)
+    params["owner_lock"] = session_locks.lock_id(owner_token)
     return params
 
 
@@ -819,7 +821,7 @@ def release(lease: Lease, *, held_as: str = PROCESSING) -> bool:
             lease.identity.key,
             _field("owner_token").get_db_prep_save(lease.owner_token, connection),
             held_as,
-            presence.lock_id(lease.owner_token),
+            session_locks.lock_id(lease.owner_token),
         ]
         with prepared.cursor(connection) as cursor:
             cursor.execute(statement, params)
@@ -831,7 +833,7 @@ def release(lease: Lease, *, held_as: str = PROCESSING) -> bool:
         .delete()
     )
     if lease.owner_lock:
-        presence.let_go(lease.using, lease.owner_token)
+        session_locks.let_go_of_owner(lease.using, lease.owner_token)
     return bool(deleted)
 
 
@@ -877,13 +879,13 @@ def _update_owned(
             # One round trip: the completion, and the owner lock let go.
             cursor.execute(
                 pg.with_owner_lock_released(f"{sql} RETURNING 1"),
-                [*params, presence.lock_id(lease.owner_token)],
+                [*params, session_locks.lock_id(lease.owner_token)],
             )
             return int(cursor.fetchone()[0])
         cursor.execute(sql, params)
         updated = int(cursor.rowcount)
     if release_lock:
-        presence.let_go(lease.using, lease.owner_token)
+        session_locks.let_go_of_owner(lease.using, lease.owner_token)
     return updated
 
 

@@ -46,11 +46,12 @@ from hypothesis.stateful import (
 )
 
 from django_idempotency.core import types
+from django_idempotency.db import session_locks
 from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import sweeps
 from django_idempotency.querysets import COMPLETED, PROCESSING
-from django_idempotency.request import lifecycle, presence, store
+from django_idempotency.request import lifecycle, store
 from tests.reliability.corpus import bounded
 from tests.testapp.models import Widget
 
@@ -192,7 +193,7 @@ class LeaseMachine(RuleBasedStateMachine):
         if model.state == COMPLETED:
             return "replay"
         if not model.lease_expired:
-            if worker is not None and worker == model.holder and presence.enabled("default"):
+            if worker is not None and worker == model.holder and session_locks.enabled("default"):
                 return "takeover"
             return "conflict"
         return "takeover"

@@ -74,9 +74,7 @@ def charge(order: str, mode: str = "commit") -> dict[str, Any]:
 @idempotent_function(key="order", fingerprint=_order_only)
 async def acharge(order: str, mode: str = "commit") -> dict[str, Any]:
     runs[order] += 1
-    widget = await sync_to_async(Widget.objects.create)(
-        name=f"charge-{order}", created_by="charge"
-    )
+    widget = await sync_to_async(Widget.objects.create)(name=f"charge-{order}", created_by="charge")
     return await sync_to_async(end)(mode, runs[order], widget)
 
 
