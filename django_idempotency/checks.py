@@ -14,6 +14,7 @@ value: options hold signing secrets and broker passwords.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ __all__ = [
     "W024",
     "W025",
     "W026",
+    "W008",
     "W040",
     "W060",
     "W061",
@@ -128,7 +130,7 @@ E013 = "django_idempotency.E013"  # a middleware after IdempotencyMiddleware has
 E014 = "django_idempotency.E014"  # CREDENTIAL_SCOPE is neither "digest" nor "refuse"
 E015 = "django_idempotency.E015"  # CREDENTIAL_HEADERS is not a list of header names
 E016 = "django_idempotency.E016"  # an ATTACH_*_WAIT_SECONDS setting is not a number >= 0
-E017 = "django_idempotency.E017"  # ATTACH_MAX_WAITERS is not an integer >= 0
+E017 = "django_idempotency.E017"  # ATTACH_MAX_WAITERS(_PER_SCOPE) is not an integer >= 0
 E018 = "django_idempotency.E018"  # ATTACH_POLL_SECONDS is not a positive number
 E019 = "django_idempotency.E019"  # HANDOFF_HOLD_SECONDS is not a positive number
 W001 = "django_idempotency.W001"  # unknown key in IDEMPOTENCY
@@ -138,6 +140,7 @@ W004 = "django_idempotency.W004"  # middleware placed before AuthenticationMiddl
 W005 = "django_idempotency.W005"  # IdempotencyRecord routed to a database other than "default"
 W006 = "django_idempotency.W006"  # USE_TZ = False
 W007 = "django_idempotency.W007"  # middleware paths behind DRF token/JWT/Basic authentication
+W008 = "django_idempotency.W008"  # one scope's waiting duplicates could hold every server thread
 # Layers 2 and 3: outbox, consumers, sweeps
 E020 = "django_idempotency.E020"  # OUTBOX_PUBLISHERS not a dict of pattern -> publisher spec
 E021 = "django_idempotency.E021"  # a publisher backend does not import or is not a Publisher
@@ -499,6 +502,39 @@ def _drf_credential_classes() -> list[str]:
         for cls in classes
         if not (isinstance(cls, type) and issubclass(cls, SessionAuthentication))
     ]
+
+
+def server_threads() -> tuple[int, str] | None:
+    """The threads per process of the WSGI server, where they can be known: gunicorn's, from
+    ``GUNICORN_CMD_ARGS`` as gunicorn reads it (sync and gthread workers; an async worker's
+    waiters hold no thread). None elsewhere."""
+    if not os.environ.get("GUNICORN_CMD_ARGS"):
+        return None
+    try:
+        from gunicorn.config import Config
+    except ImportError:
+        return None
+    config = Config()
+    try:
+        parsed = config.parser().parse_args(config.get_cmd_args_from_env())
+    except SystemExit:  # arguments gunicorn itself would refuse
+        return None
+    for name, value in vars(parsed).items():
+        if value is not None and name != "args":
+            config.set(name.lower(), value)
+    if config.worker_class_str not in ("sync", "gthread"):
+        return None
+    return max(1, int(config.threads)), "GUNICORN_CMD_ARGS"
+
+
+def _waiters_hold_every_thread(c: Context) -> Iterator[Finding]:
+    per_scope = _integer("ATTACH_MAX_WAITERS_PER_SCOPE", c.merged)
+    known = server_threads()
+    if per_scope is None or known is None:
+        return
+    threads, source = known
+    if per_scope >= threads:
+        yield {"per_scope": per_scope, "threads": threads, "source": source}
 
 
 def _credentials_behind_middleware(c: Context) -> Iterator[Finding]:
@@ -1022,9 +1058,10 @@ SETTINGS_CHECKS: tuple[Check, ...] = (
     ),
     Check(
         E017,
-        _bad_numbers("ATTACH_MAX_WAITERS", whole=True, zero=True),
-        "IDEMPOTENCY['ATTACH_MAX_WAITERS'] must be an integer >= 0, not {value}.",
-        "It bounds the duplicates waiting in one process; 0 answers every one 409 at once.",
+        _bad_numbers("ATTACH_MAX_WAITERS", "ATTACH_MAX_WAITERS_PER_SCOPE", whole=True, zero=True),
+        "IDEMPOTENCY[{name!r}] must be an integer >= 0, not {value}.",
+        "It bounds the duplicates waiting in one process (per scope: of one client); 0 answers "
+        "every one 409 at once.",
     ),
     Check(
         E018,
@@ -1084,6 +1121,14 @@ PROJECT_CHECKS: tuple[Check, ...] = (
         "USE_TZ is False: leases are measured by the database clock in UTC.",
         "Set USE_TZ = True.",
         reads_settings=False,
+    ),
+    Check(
+        W008,
+        _waiters_hold_every_thread,
+        "IDEMPOTENCY['ATTACH_MAX_WAITERS_PER_SCOPE'] is {per_scope}, and the server runs "
+        "{threads} thread(s) per process ({source}): one client's duplicates waiting with "
+        "Prefer: wait could hold every thread.",
+        "Set ATTACH_MAX_WAITERS_PER_SCOPE below the threads per process (docs/howto/attach.md).",
     ),
     Check(
         W007,

@@ -66,6 +66,7 @@ DEFAULTS: dict[str, Any] = {
     "ATTACH_DEFAULT_WAIT_SECONDS": 0,
     "ATTACH_MAX_WAIT_SECONDS": 10,
     "ATTACH_MAX_WAITERS": 100,
+    "ATTACH_MAX_WAITERS_PER_SCOPE": 2,
     "ATTACH_POLL_SECONDS": 0.01,
     # 202 for long operations: how long a worker holds a handed-off key before a retry of the
     # request may take it over (the queue's worst delay plus the work's own time).
@@ -360,6 +361,10 @@ class IdempotencySettings:
     @_setting
     def ATTACH_MAX_WAITERS(self) -> int:
         return self.integer("ATTACH_MAX_WAITERS")
+
+    @_setting
+    def ATTACH_MAX_WAITERS_PER_SCOPE(self) -> int:
+        return self.integer("ATTACH_MAX_WAITERS_PER_SCOPE")
 
     @_setting
     def ATTACH_POLL_SECONDS(self) -> float:

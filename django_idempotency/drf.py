@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from django.http import HttpResponseBase
+from django.http import HttpRequest, HttpResponseBase
 from rest_framework.renderers import BaseRenderer, BrowsableAPIRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from django_idempotency.browsable import IdempotentBrowsableAPIRenderer
 from django_idempotency.conf import GUARDED_METHODS, conf
@@ -34,13 +35,11 @@ from django_idempotency.request.responses import PROBLEM_CONTENT_TYPE
 from django_idempotency.request.scopes import resolve_scope
 
 if TYPE_CHECKING:
-    from rest_framework.views import APIView
-
     _Base = APIView
 else:
     _Base = object
 
-__all__ = ["IdempotencyMixin", "problem_details", "serve_api_view"]
+__all__ = ["IdempotencyMixin", "problem_details", "screen", "serve_api_view"]
 
 #: A handler DRF calls with the request and the URL's arguments.
 Handler = Callable[..., HttpResponseBase]
@@ -134,11 +133,27 @@ class IdempotencyMixin(_Base):
             scope=partial(self.get_idempotency_scope, request),
             fingerprint=partial(self.get_idempotency_fingerprint, request),
             options=options,
+            screen=partial(self.screen_duplicate, request),
         )
         door = _InitialDoor(self, request, args, kwargs, handler, options)
         wrapped = lifecycle.settle(decision, door)
         # DRF itself binds ViewSet actions to method names on the instance the same way.
         setattr(self, handler_name, wrapped)
+
+    def screen_duplicate(self, request: Request) -> None:
+        """The checks a duplicate passes before it may wait for the request in flight: DRF's
+        permissions and throttles, as for a new request (the wait counts against the
+        throttle). A refusal raises, for DRF's own 403 or 429."""
+        self.check_permissions(request)
+        self.check_throttles(request)
+
+    def check_throttles(self, request: Request) -> None:
+        """DRF's throttles, once per request: a duplicate that was screened before it waited
+        and then runs its handler (the first request failed) counts once."""
+        if getattr(self, "_idempotency_throttles_checked", False):
+            return
+        self._idempotency_throttles_checked = True
+        super().check_throttles(request)
 
     def get_renderers(self) -> list[BaseRenderer]:
         """DRF's own renderers, with its browsable API swapped for one that sends keys.
@@ -218,6 +233,39 @@ class _InitialDoor:
             return lifecycle.run(lease, call, options, request=request._request)
 
         return guarded
+
+
+def screen(
+    view_func: Callable[..., Any],
+    request: HttpRequest,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> lifecycle.Screen | None:
+    """For ``IdempotencyMiddleware`` in front of a DRF view: the view's authentication,
+    permissions and throttles, run on a duplicate before it may wait, since the middleware
+    claims before DRF's own checks; a refusal is the view's own answer (``Refused``). None
+    for a view that is not DRF's."""
+    view_class = getattr(view_func, "cls", None)
+    if not (isinstance(view_class, type) and issubclass(view_class, APIView)):
+        return None
+    initkwargs: dict[str, Any] = getattr(view_func, "initkwargs", None) or {}
+
+    def check() -> None:
+        view = view_class(**initkwargs)
+        view.args, view.kwargs = args, kwargs
+        drf_request = view.initialize_request(request, *args, **kwargs)
+        view.request, view.headers = drf_request, view.default_response_headers
+        try:
+            view.perform_authentication(drf_request)
+            view.check_permissions(drf_request)
+            view.check_throttles(drf_request)
+        except Exception as exc:
+            response = view.finalize_response(drf_request, view.handle_exception(exc))
+            if isinstance(response, Response):
+                response.render()
+            raise lifecycle.Refused(response) from exc
+
+    return check
 
 
 def serve_api_view(

@@ -7,6 +7,10 @@ is never claimed, and its body never read), after every other middleware's reque
 ``@idempotent`` does. So put it **last** in ``MIDDLEWARE``: a ``process_view`` of a middleware
 listed after it would be skipped for guarded requests (system check E013 says so).
 
+A duplicate of a request in flight that asks to wait (``Prefer: wait``) for a DRF view must first
+pass that view's authentication, permissions and throttles, as the request itself will; a
+refusal is the view's own 401, 403 or 429, at once.
+
 Only paths that match one of ``MIDDLEWARE_PATHS`` (regular expressions, searched in
 ``request.path_info``) and methods in ``MIDDLEWARE_METHODS`` are guarded. Views behind it that
 also use the mixin or the decorator are guarded once, here.
@@ -31,6 +35,23 @@ __all__ = ["IdempotencyMiddleware"]
 @lru_cache(maxsize=64)
 def _compile(pattern: str) -> re.Pattern[str]:
     return re.compile(pattern)
+
+
+def _screen(
+    view_func: Callable[..., Any],
+    request: HttpRequest,
+    view_args: tuple[Any, ...],
+    view_kwargs: dict[str, Any],
+) -> lifecycle.Screen | None:
+    """A DRF view's own checks, which a duplicate must pass before it may wait (``drf.screen``);
+    None for other views, and without DRF."""
+    if getattr(view_func, "cls", None) is None:
+        return None
+    try:
+        from django_idempotency.drf import screen
+    except ImportError:  # pragma: no cover - a view with .cls but no DRF installed
+        return None
+    return screen(view_func, request, view_args, view_kwargs)
 
 
 class IdempotencyMiddleware:
@@ -80,7 +101,8 @@ class IdempotencyMiddleware:
             *view_args,
             **view_kwargs,
         )
-        return lifecycle.serve(request, call, options, view=view_func)
+        screen = _screen(view_func, request, view_args, view_kwargs)
+        return lifecycle.serve(request, call, options, view=view_func, screen=screen)
 
     async def process_view_async(
         self,
@@ -97,14 +119,15 @@ class IdempotencyMiddleware:
         options = self.options()
         if not lifecycle.guards(request, options):
             return None
+        screen = _screen(view_func, request, view_args, view_kwargs)
         if iscoroutinefunction(view_func):
             return await lifecycle.serve_async(
                 request, partial(view_func, request, *view_args, **view_kwargs), options,
-                view=view_func,
+                view=view_func, screen=screen,
             )  # fmt: skip
         return await lifecycle.serve_sync_view_async(
             request, partial(view_func, request, *view_args, **view_kwargs), options,
-            view=view_func,
+            view=view_func, screen=screen,
         )  # fmt: skip
 
     def options(self) -> lifecycle.Options:

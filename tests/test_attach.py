@@ -230,7 +230,7 @@ def test_a_waiter_with_another_body_gets_422_at_once(door, key, held):
 
 
 def test_beyond_max_waiters_a_duplicate_gets_409_at_once(key, held, idempotency_settings):
-    idempotency_settings(ATTACH_MAX_WAITERS=2)
+    idempotency_settings(ATTACH_MAX_WAITERS=2, ATTACH_MAX_WAITERS_PER_SCOPE=10)
     first, opened, body = held("decorator", name="crowd")
     attached = [
         InThread(lambda: send("decorator", key, prefer="wait=10", **body)) for _ in range(2)
@@ -286,6 +286,7 @@ def test_waiters_are_woken_by_one_shared_poll_and_run_no_queries_while_waiting(
         return still_running(using, pairs)
 
     monkeypatch.setattr(attach, "still_running", counted)
+    idempotency_settings(ATTACH_MAX_WAITERS_PER_SCOPE=10)  # one client, six waiters
     # SQLite has one writer: a second request held inside its transaction would lock out the
     # first's claim, so it holds one key there (still three waiters, one name per poll).
     keys = [f"poll-{uuid.uuid4()}" for _ in range(1 if ON_SQLITE else 2)]
@@ -503,3 +504,119 @@ def test_asgi_duplicate_attaches(door, tmp_path: Path, asgi_server: Any):
     assert json.loads(content) == body
     assert headers["Preference-Applied"] == "wait=10"  # capped at the default maximum
     assert Widget.objects.filter(name="asgi").count() == 1
+
+
+# --- a duplicate that may wait meets the checks a new request meets ------------------------------
+
+#: The DRF doors: the mixin claims before DRF's checks, and the middleware before the view runs.
+DRF_DOORS = ["middleware-drf", "api-function", "mixin"]
+
+
+def send_with(door: str, key: str, headers: dict[str, str], **body: Any) -> Any:
+    try:
+        return Client(raise_request_exception=False).post(
+            doors.DOORS[door], json.dumps(body), content_type="application/json",
+            HTTP_IDEMPOTENCY_KEY=key, **headers,
+        )  # fmt: skip
+    finally:
+        connection.close()
+
+
+@pytest.fixture
+def held_with(
+    gate: Any, key: str
+) -> Callable[..., tuple[InThread, threading.Event, dict[str, Any]]]:
+    """:func:`held`, with the first request's own headers."""
+
+    def start(
+        door: str, headers: dict[str, str], **body: Any
+    ) -> tuple[InThread, threading.Event, dict[str, Any]]:
+        body["hold"] = f"hold-{uuid.uuid4().hex[:8]}"
+        started, opened = gate(body["hold"])
+        first = InThread(lambda: send_with(door, key, headers, **body))
+        assert started.wait(20), "the first request never reached its view"
+        return first, opened, body
+
+    return start
+
+
+@pytest.mark.parametrize("door", DRF_DOORS)
+def test_a_throttled_duplicate_is_refused_at_once_never_waits(door, key, held_with):
+    """The first request used the key's one allowance: a duplicate asking to wait is a 429 at
+    once, holding no thread (before, it waited its full time and met no throttle)."""
+    throttled = {"HTTP_X_THROTTLE": "1"}
+    first, opened, body = held_with(door, throttled)
+    try:
+        duplicate = send_with(door, key, {**throttled, "HTTP_PREFER": "wait=10"}, **body)
+        assert duplicate.status_code == 429, duplicate.content
+        assert attach.waiting() == 0
+    finally:
+        opened.set()
+    assert first.result().status_code == 201
+    assert doors.calls[key] == 1
+
+
+@pytest.mark.parametrize("door", DRF_DOORS)
+def test_a_duplicate_its_permissions_refuse_is_refused_at_once_never_waits(door, key, held_with):
+    first, opened, body = held_with(door, {})
+    try:
+        denied = {"HTTP_X_DENY": "yes", "HTTP_PREFER": "wait=10"}
+        duplicate = send_with(door, key, denied, **body)
+        assert duplicate.status_code in (401, 403), duplicate.content  # 401 to an anonymous one
+        assert attach.waiting() == 0
+    finally:
+        opened.set()
+    assert first.result().status_code == 201
+    new = send_with(door, f"{key}-new", denied, **body)  # a new request is refused the same
+    assert (duplicate.status_code, duplicate.content) == (new.status_code, new.content)
+
+
+@pytest.mark.parametrize("door", DRF_DOORS)
+def test_a_wait_counts_against_the_throttle(door, key, held_with):
+    """Two requests an hour: the first, then a duplicate that waits; a third is a 429."""
+    twice = {"HTTP_X_THROTTLE": "2"}
+    first, opened, body = held_with(door, twice)
+    waiting = InThread(lambda: send_with(door, key, {**twice, "HTTP_PREFER": "wait=10"}, **body))
+    try:
+        until(waiters(1), "the duplicate to wait")
+        third = send_with(door, key, {**twice, "HTTP_PREFER": "wait=10"}, **body)
+        assert third.status_code == 429, third.content
+    finally:
+        opened.set()
+    assert first.result().status_code == 201
+    attached = waiting.result()
+    assert (attached.status_code, attached["Idempotent-Replay"]) == (201, "true")
+
+
+def test_waiters_are_bounded_per_scope(key, held, idempotency_settings):
+    """One client (the anonymous scope here) holds at most ATTACH_MAX_WAITERS_PER_SCOPE waiting
+    duplicates in a process; past it, a duplicate is a 409 at once, though the process bound
+    (ATTACH_MAX_WAITERS) has room."""
+    idempotency_settings(ATTACH_MAX_WAITERS_PER_SCOPE=1, ATTACH_MAX_WAITERS=100)
+    first, opened, body = held("decorator")
+    try:
+        waiting = InThread(lambda: send("decorator", key, prefer="wait=10", **body))
+        until(waiters(1), "the first duplicate to wait")
+        refused = send("decorator", key, prefer="wait=10", **body)
+        assert refused.status_code == 409, refused.content
+        assert attach.waiting() == 1
+    finally:
+        opened.set()
+    assert first.result().status_code == 201
+    assert waiting.result().status_code == 201
+
+
+def test_the_per_scope_bound_leaves_other_scopes_room():
+    registry = attach._Registry()
+    mine = [attach.Waiter("default", "user:1", f"k{n}", time.monotonic() + 5) for n in range(3)]
+    theirs = attach.Waiter("default", "user:2", "k0", time.monotonic() + 5)
+    try:
+        assert [registry.add(w, limit=10, per_scope=2) for w in mine] == [True, True, False]
+        assert registry.add(theirs, limit=10, per_scope=2)
+        registry.remove(mine[0])
+        assert registry.add(mine[2], limit=10, per_scope=2)  # a place of its own scope freed
+        assert registry.by_scope == {"user:1": 2, "user:2": 1}
+    finally:
+        for waiter in [*mine, theirs]:
+            registry.remove(waiter)
+    assert registry.by_scope == {} and registry.count == 0

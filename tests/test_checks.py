@@ -251,6 +251,11 @@ SCENARIOS: dict[str, tuple[Scenario, Scenario]] = {
         lambda p: p.set(DATABASE_ROUTERS=[]),
     ),
     checks.W006: (lambda p: p.set(USE_TZ=False), lambda p: p.set(USE_TZ=True)),
+    checks.W008: (
+        # Two threads per process, two waiters per scope (the default): one client holds all.
+        lambda p: p.monkeypatch.setenv("GUNICORN_CMD_ARGS", "--workers 3 --threads 2"),
+        lambda p: p.monkeypatch.setenv("GUNICORN_CMD_ARGS", "--workers 3 --threads 8"),
+    ),
     checks.W007: (
         # The test settings: the middleware on two paths, DRF with TokenAuthentication.
         lambda p: p.idempotency(),
@@ -559,6 +564,24 @@ def test_credentials_warning_names_the_classes_and_respects_its_conditions(
     project.set(MIDDLEWARE=[SESSIONS, AUTH, OURS], REST_FRAMEWORK={})
     # DRF's own default authenticates with Basic too.
     assert "BasicAuthentication" in warning()[0].msg
+
+
+@pytest.mark.parametrize(
+    ("arguments", "threads"),
+    [
+        ("", None),
+        ("--threads 4", 4),
+        ("-w 2", 1),
+        ("-k gthread --threads=6", 6),
+        ("-k gevent", None),
+    ],
+)
+def test_the_servers_threads_are_read_as_gunicorn_reads_them(
+    monkeypatch: pytest.MonkeyPatch, arguments: str, threads: int | None
+) -> None:
+    monkeypatch.setenv("GUNICORN_CMD_ARGS", arguments)
+    known = checks.server_threads()
+    assert (known[0] if known else None) == threads
 
 
 def tenant_scope(request: Any) -> str:

@@ -10,6 +10,10 @@ Waking costs one query per tick for the whole process, never one per waiter:
 
 * A completion or release in this process wakes its waiters at once (:func:`notify`, called by
   the lifecycle after the commit; a dict lookup when nobody waits).
+* A duplicate may wait only once it has passed the checks a new request of its door meets
+  (DRF's permissions and throttles: a wait counts against the throttle), and only while fewer
+  than ``ATTACH_MAX_WAITERS`` wait in its process and ``ATTACH_MAX_WAITERS_PER_SCOPE`` in its
+  scope: one client can never hold every thread of a server with waiting duplicates.
 * One daemon thread per process, started with the first waiter and gone a second after the
   last, asks the records' database every ``ATTACH_POLL_SECONDS`` which of all the awaited keys
   are still running (PROCESSING, or ACCEPTED by a worker, with a running lease), in one
@@ -225,16 +229,19 @@ class _Registry:
         self._lock = threading.Lock()
         self.waiters: dict[tuple[str, str, str], set[Waiter]] = {}
         self.count = 0
+        #: Waiters per scope: one client never holds more than ``ATTACH_MAX_WAITERS_PER_SCOPE``.
+        self.by_scope: dict[str, int] = {}
         self.poller: threading.Thread | None = None
         #: Statements the poller has run, for tests and curiosity.
         self.polls = 0
 
-    def add(self, waiter: Waiter, limit: int) -> bool:
+    def add(self, waiter: Waiter, limit: int, per_scope: int) -> bool:
         with self._lock:
-            if self.count >= limit:
+            if self.count >= limit or self.by_scope.get(waiter.scope, 0) >= per_scope:
                 return False
             self.waiters.setdefault((waiter.using, waiter.scope, waiter.key), set()).add(waiter)
             self.count += 1
+            self.by_scope[waiter.scope] = self.by_scope.get(waiter.scope, 0) + 1
             if self.poller is None:
                 self.poller = threading.Thread(
                     target=self._poll, name="django-idempotency-attach", daemon=True
@@ -249,6 +256,9 @@ class _Registry:
                 return
             waiting.discard(waiter)
             self.count -= 1
+            left = self.by_scope.pop(waiter.scope) - 1
+            if left:
+                self.by_scope[waiter.scope] = left
             if not waiting:
                 del self.waiters[(waiter.using, waiter.scope, waiter.key)]
 
@@ -344,7 +354,8 @@ def waiting() -> int:
 
 def enlist(request: HttpRequest, identity: Identity, using: str, wait: Patience) -> Waiter | None:
     """Register a waiter for a key in flight; None when it may not wait (no patience, or
-    ``ATTACH_MAX_WAITERS`` already waiting: the caller answers 409 at once).
+    ``ATTACH_MAX_WAITERS`` already waiting in this process, or ``ATTACH_MAX_WAITERS_PER_SCOPE``
+    of its scope: the caller answers 409 at once).
 
     A registered waiter has let go of this thread's database connections (none is in a
     transaction: the lifecycle opts its views out of ``ATOMIC_REQUESTS``), so a hundred waiters
@@ -352,9 +363,8 @@ def enlist(request: HttpRequest, identity: Identity, using: str, wait: Patience)
     """
     if wait.seconds <= 0:
         return None
-    limit = conf.ATTACH_MAX_WAITERS
     waiter = Waiter(using, identity.scope, identity.key, time.monotonic() + wait.seconds)
-    if not _registry.add(waiter, limit):
+    if not _registry.add(waiter, conf.ATTACH_MAX_WAITERS, conf.ATTACH_MAX_WAITERS_PER_SCOPE):
         return None
     if wait.asked is not None:
         setattr(request, _GRANTED, math.ceil(wait.seconds))

@@ -98,6 +98,8 @@ __all__ = [
     "Options",
     "DEFAULT_OPTIONS",
     "Ran",
+    "Refused",
+    "Screen",
     "admit",
     "atomic_requests",
     "claim",
@@ -173,6 +175,20 @@ class HandOff:
     hold_seconds: float
 
 
+#: What a door checks before a duplicate may wait, as it would check a new request (DRF's
+#: permissions and throttles): returns if it may, raises the door's refusal otherwise.
+Screen = Callable[[], None]
+
+
+class Refused(Exception):  # noqa: N818 - an answer, not a failure
+    """A door's own refusal of a duplicate that asked to wait (DRF's 403, 429): its response,
+    answered as it is."""
+
+    def __init__(self, response: HttpResponseBase) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
 @dataclass(frozen=True, slots=True)
 class Attaching:
     """A duplicate that is to wait for ``identity`` (registered as ``waiter``), then claim again.
@@ -209,15 +225,17 @@ def admit(
     scope: Callable[[], str],
     fingerprint: Callable[[], str],
     options: Options = DEFAULT_OPTIONS,
+    screen: Screen | None = None,
 ) -> Decision | None:
     """Read the key and claim it: what this request may do, or ``None`` when it has no key.
 
     A key held by a request in flight is waited for when the request may wait (``options.wait``
-    or ``Prefer: wait``), then claimed once more: the caller gets what a retry would get then.
+    or ``Prefer: wait``) and passes ``screen`` (the door's own checks of a new request, which
+    raise its refusal), then claimed once more: the caller gets what a retry would get then.
     Raises an :class:`IdempotencyHTTPError` for a missing or malformed key, a scope that cannot
     be told, or a database that cannot be reached (503).
     """
-    decision = _admit(request, scope, fingerprint, options, detach=False)
+    decision = _admit(request, scope, fingerprint, options, screen, detach=False)
     assert not isinstance(decision, Attaching)
     return decision
 
@@ -227,6 +245,7 @@ def _admit(
     scope: Callable[[], str],
     fingerprint: Callable[[], str],
     options: Options,
+    screen: Screen | None,
     *,
     detach: bool,
 ) -> Decision | Attaching | None:
@@ -243,9 +262,14 @@ def _admit(
     )
     if not in_flight:
         return decision
-    waiter = attach.enlist(
-        request, identity, store.database_alias(), attach.patience(request, options.wait)
-    )
+    wait = attach.patience(request, options.wait)
+    if wait.seconds <= 0:
+        return decision
+    if screen is not None:
+        # Before any wait, the checks a new request would meet: a client refused (or throttled)
+        # does not get to hold a thread by asking to wait, and its wait counts as a request.
+        screen()
+    waiter = attach.enlist(request, identity, store.database_alias(), wait)
     if waiter is None:
         return decision
     if detach:
@@ -686,9 +710,11 @@ def serve(
     scope: Callable[[], str] | None = None,
     fingerprint: Callable[[], str] | None = None,
     error_response: ErrorResponse = problem_response,
+    screen: Screen | None = None,
 ) -> HttpResponseBase:
     """Guard one request from key to response. ``view`` is the view function being served
-    (for its ATOMIC_REQUESTS opt-outs); ``scope`` and ``fingerprint`` override the defaults."""
+    (for its ATOMIC_REQUESTS opt-outs); ``scope`` and ``fingerprint`` override the defaults;
+    ``screen`` is what a duplicate must pass before it may wait (see :func:`admit`)."""
     if not guards(request, options):
         return unhandled(call_view, view)
     served = _serve(
@@ -699,6 +725,7 @@ def serve(
         scope=scope,
         fingerprint=fingerprint,
         error_response=error_response,
+        screen=screen,
         detach=False,
     )
     assert not isinstance(served, Attaching)
@@ -714,6 +741,7 @@ def _serve(
     scope: Callable[[], str] | None = None,
     fingerprint: Callable[[], str] | None = None,
     error_response: ErrorResponse = problem_response,
+    screen: Screen | None = None,
     detach: bool,
 ) -> HttpResponseBase | Attaching:
     try:
@@ -722,6 +750,7 @@ def _serve(
             scope or partial(resolve_scope, request),
             fingerprint or partial(request_fingerprint, request, max_body=options.max_body),
             options,
+            screen,
             detach=detach,
         )
         if isinstance(decision, Attaching):
@@ -729,6 +758,8 @@ def _serve(
         response = _answer(request, decision, call_view, options, view, error_response)
     except IdempotencyHTTPError as error:
         response = error_response(error)
+    except Refused as refused:
+        response = refused.response
     return _finish(request, response)
 
 
@@ -792,6 +823,7 @@ async def serve_async(
     options: Options,
     *,
     view: Callable[..., Any] | None = None,
+    screen: Screen | None = None,
 ) -> HttpResponseBase:
     """:func:`serve` for an async view.
 
@@ -806,7 +838,7 @@ async def serve_async(
         header(request, conf.HEADER) is None and not conf.KEY_REQUIRED
     ):
         return await call_view()
-    return await _serve_from_loop(request, async_to_sync(call_view), options, view)
+    return await _serve_from_loop(request, async_to_sync(call_view), options, view, screen)
 
 
 async def serve_sync_view_async(
@@ -815,12 +847,13 @@ async def serve_sync_view_async(
     options: Options,
     *,
     view: Callable[..., Any] | None = None,
+    screen: Screen | None = None,
 ) -> HttpResponseBase:
     """:func:`serve` for a sync view served from async code (the middleware under ASGI): the
     view and the lifecycle run in the ``thread_sensitive`` thread, a wait on the event loop."""
     if not guards(request, options):
         return await sync_to_async(unhandled, thread_sensitive=True)(call_view, view)
-    return await _serve_from_loop(request, call_view, options, view)
+    return await _serve_from_loop(request, call_view, options, view, screen)
 
 
 async def _serve_from_loop(
@@ -828,11 +861,12 @@ async def _serve_from_loop(
     call: CallView,
     options: Options,
     view: Callable[..., Any] | None,
+    screen: Screen | None,
 ) -> HttpResponseBase:
     """The thread's part hands a duplicate that may wait back registered (:class:`Attaching`);
     the loop awaits it, holding no thread; a second part in the thread claims again."""
     served = await sync_to_async(_serve, thread_sensitive=True)(
-        request, call, options, view=view, detach=True
+        request, call, options, view=view, screen=screen, detach=True
     )
     if not isinstance(served, Attaching):
         return served

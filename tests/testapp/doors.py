@@ -20,6 +20,8 @@ middleware (sync, async, and a DRF view without the mixin), ``@idempotent`` (syn
 ``hold_file`` (with any mode)
     after writing, wait while that file exists (at most a minute): a request held in flight
     across processes until the test deletes the file.
+``X-Deny: yes`` and ``X-Throttle: N`` (headers, DRF doors)
+    a permission that refuses the request (403), and a throttle of N requests per key (429).
 ``hold`` (with any mode)
     after writing, say so on ``views.started[hold]`` and wait for ``views.gates[hold]`` (the
     ``gate`` fixture): a request held in flight in this process.
@@ -40,9 +42,11 @@ from django.db import IntegrityError, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import path
 from rest_framework import exceptions
-from rest_framework.decorators import api_view
+from rest_framework.decorators import api_view, permission_classes, throttle_classes
+from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
 from django_idempotency.decorators import idempotent
@@ -114,8 +118,34 @@ async def plain_async(request: HttpRequest) -> HttpResponse:
     return _json(*await sync_to_async(behave)(request, _data(request)))
 
 
+class DenyWhenAsked(BasePermission):
+    """Refuses a request that sends ``X-Deny: yes``: a permission the same body can fail."""
+
+    def has_permission(self, request: Any, view: Any) -> bool:
+        return bool(request.headers.get("X-Deny") != "yes")
+
+
+class PerKeyWhenAsked(SimpleRateThrottle):
+    """``X-Throttle: N`` allows N requests per idempotency key an hour; no header, no limit."""
+
+    rate = "1/hour"
+
+    def allow_request(self, request: Any, view: Any) -> bool:
+        asked = request.headers.get("X-Throttle")
+        if not asked:
+            return True
+        self.num_requests = int(asked)
+        return bool(super().allow_request(request, view))
+
+    def get_cache_key(self, request: Any, view: Any) -> str:
+        return f"doors-throttle:{request.headers.get('Idempotency-Key')}"
+
+
 class PlainAPIView(APIView):
     """A DRF view without the mixin, guarded by the middleware."""
+
+    permission_classes = [DenyWhenAsked]
+    throttle_classes = [PerKeyWhenAsked]
 
     def post(self, request: Request) -> Response:
         status, body = behave(request, request.data)
@@ -135,6 +165,8 @@ async def decorated_async(request: HttpRequest) -> HttpResponse:
 
 
 @api_view(["POST"])
+@permission_classes([DenyWhenAsked])
+@throttle_classes([PerKeyWhenAsked])
 @idempotent
 def api_function(request: Request) -> Response:
     status, body = behave(request, request.data)
@@ -142,6 +174,9 @@ def api_function(request: Request) -> Response:
 
 
 class MixinView(IdempotencyMixin, APIView):
+    permission_classes = [DenyWhenAsked]
+    throttle_classes = [PerKeyWhenAsked]
+
     def post(self, request: Request) -> Response:
         status, body = behave(request, request.data)
         return Response(body, status=status)
