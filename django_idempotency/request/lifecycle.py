@@ -319,9 +319,13 @@ def claim(
         decision = cached
     else:
         try:
-            answered = store.answer(identity) if recent.answered(identity) else None
+            answered = store.answer(identity, using) if recent.answered(identity) else None
             decision = answered or store.claim(
-                identity, uuid.uuid4(), lease_seconds=lease_seconds, ttl_seconds=ttl_seconds
+                identity,
+                uuid.uuid4(),
+                lease_seconds=lease_seconds,
+                ttl_seconds=ttl_seconds,
+                using=using,
             )
         except UNAVAILABLE_ERRORS as exc:
             events.store_unavailable(
@@ -332,26 +336,31 @@ def claim(
         # A key retried once is likely retried again: its next retries come from memory or
         # Redis. Copied to Redis here, at its first replay, not at its completion: most keys
         # are never retried, and their requests then pay no Redis write and take no memory.
-        _remember_replay(identity, decision, using, copy=cached is None)
+        connection = connections[using]
+        if connection.in_atomic_block:
+            # Read inside a transaction that may have written the record and may still roll
+            # back: no cache may answer for it before it commits.
+            connection.on_commit(
+                partial(_remember_replay, identity, decision, cached is None, time.monotonic()),
+                robust=True,
+            )
+        else:
+            _remember_replay(identity, decision, cached is None)
     events.announce(identity, decision)
     return decision
 
 
-def _remember_replay(identity: Identity, replay: Replay, using: str, *, copy: bool) -> None:
-    """Keep a replayed answer in this process's memory, and (``copy``) in Redis, once it is
-    known to be committed: read inside a transaction that wrote the record, it may still roll
-    back, and no cache may then answer for it."""
-    read_at = time.monotonic()
-
-    def remember() -> None:
-        left = replay.expires_in
-        if left is not None:
-            left -= time.monotonic() - read_at
-        if copy:
-            cache.remember(identity, replay.response, left)
-        recent.remember(identity, replay.response, left)
-
-    transaction.on_commit(remember, using=using, robust=True)
+def _remember_replay(
+    identity: Identity, replay: Replay, copy: bool, read_at: float | None = None
+) -> None:
+    """Keep a committed replay in this process's memory, and (``copy``) in Redis, for the
+    seconds its record has left (less what passed since it was read, at ``read_at``)."""
+    left = replay.expires_in
+    if left is not None and read_at is not None:
+        left -= time.monotonic() - read_at
+    if copy:
+        cache.remember(identity, replay.response, left)
+    recent.remember(identity, replay.response, left)
 
 
 @events.instrumented("replay")
@@ -513,9 +522,8 @@ def run_step(
                 _accept(lease, kept.stored, kept.hold_seconds)
             else:
                 _complete(lease, kept.stored, held_as)
-            transaction.on_commit(
-                partial(_committed, lease, kept, time.monotonic()), using=lease.using, robust=True
-            )
+            # Announced, kept in memory and woken for once the outermost transaction commits.
+            connection.on_commit(partial(_committed, lease, kept, time.monotonic()), robust=True)
     except _NotStored as not_stored:
         release(lease, not_stored.ended.value, held_as=held_as)
         return Ran(not_stored.ended, not_stored.value)

@@ -97,13 +97,14 @@ def claim(
     *,
     lease_seconds: float | None = None,
     ttl_seconds: float | None = None,
+    using: str | None = None,
 ) -> Decision:
     """What this request may do with its key. Database errors propagate to the caller.
 
     ``lease_seconds`` and ``ttl_seconds`` override ``LEASE_SECONDS`` and ``TTL_SECONDS`` for
     this key; the lease granted carries them, so its heartbeat and completion use them too.
     """
-    connection = connections[database_alias()]
+    connection = connections[using or database_alias()]
     claim_round = _claim_portable
     if connection.vendor == "postgresql":
         claim_round = _claim_partitioned if conf.RECORD_PARTITIONS else _claim_postgresql
@@ -450,7 +451,7 @@ def _claim_postgresql(
     return _claimed_or_judged(identity, using, owner_token, terms, row)
 
 
-def answer(identity: Identity) -> Decision | None:
+def answer(identity: Identity, using: str | None = None) -> Decision | None:
     """The decision on a key that needs no write, for a request that is likely a retry: a
     replay, a request in flight (409) or a mismatch (422). None when the key must be claimed
     (absent, expired or to be taken over), or where only the claim can tell.
@@ -460,7 +461,7 @@ def answer(identity: Identity) -> Decision | None:
     Not inside a caller's transaction, whose snapshot may be older than the key's answer, and
     not elsewhere: MariaDB's and SQLite's claims read first anyway.
     """
-    connection = connections[database_alias()]
+    connection = connections[using or database_alias()]
     if connection.vendor != "postgresql" or connection.in_atomic_block:
         return None
     return _read_postgresql(identity, connection)
