@@ -42,16 +42,18 @@ def _screen(
     request: HttpRequest,
     view_args: tuple[Any, ...],
     view_kwargs: dict[str, Any],
-) -> lifecycle.Screen | None:
+) -> None:
     """A DRF view's own checks, which a duplicate must pass before it may wait (``drf.screen``);
-    None for other views, and without DRF."""
+    nothing for other views. Bound per request and run only when a duplicate would wait."""
     if getattr(view_func, "cls", None) is None:
-        return None
+        return
     try:
         from django_idempotency.drf import screen
     except ImportError:  # pragma: no cover - a view with .cls but no DRF installed
-        return None
-    return screen(view_func, request, view_args, view_kwargs)
+        return
+    check = screen(view_func, request, view_args, view_kwargs)
+    if check is not None:
+        check()
 
 
 class IdempotencyMiddleware:
@@ -101,7 +103,7 @@ class IdempotencyMiddleware:
             *view_args,
             **view_kwargs,
         )
-        screen = _screen(view_func, request, view_args, view_kwargs)
+        screen = partial(_screen, view_func, request, view_args, view_kwargs)
         return lifecycle.serve(request, call, options, view=view_func, screen=screen)
 
     async def process_view_async(
@@ -119,7 +121,7 @@ class IdempotencyMiddleware:
         options = self.options()
         if not lifecycle.guards(request, options):
             return None
-        screen = _screen(view_func, request, view_args, view_kwargs)
+        screen = partial(_screen, view_func, request, view_args, view_kwargs)
         if iscoroutinefunction(view_func):
             return await lifecycle.serve_async(
                 request, partial(view_func, request, *view_args, **view_kwargs), options,
