@@ -28,19 +28,28 @@ DEMO_LEASE_SECONDS ?= 5
 DEMO_RELAY_LEASE_SECONDS ?= 10
 DEMO_SERVE := $(VENV)/bin/python -m gunicorn --config python:demo_project.gunicorn_conf demo_project.wsgi
 
-# The passes of `make test`, longest first: tests/passes.py runs TEST_JOBS of them side by side
-# (they spend much of their time waiting on sleeps, leases and subprocesses), each with a
-# database of its own and its output in artifacts/<pass>.log. TEST_JOBS=1 runs them one by one.
-TEST_PASSES := test-dj52-sqlite test-dj52-postgresql test-dj6-postgresql test-reliability \
-	test-dj6-sqlite test-dj52-mariadb
+# The passes of `make test`, longest first: tests/passes.py runs TEST_JOBS of them side by side,
+# each with a database of its own and its output in artifacts/<pass>.log, each spread over
+# TEST_WORKERS pytest-xdist workers (the tests spend much of their time waiting on sleeps,
+# leases and subprocesses). Every test runs on PostgreSQL with Django 5.2 (the reference pass);
+# the tests that depend on the database backend run on MariaDB too; the Django 6 pass runs
+# everything but the environment builders (marker slow) on SQLite; then the reliability suite.
+# Tests whose outcome does not depend on the backend are listed in tests/conftest.py (ONCE).
+TEST_PASSES := test-dj52-postgresql test-reliability test-dj6-sqlite test-dj52-mariadb
 TEST_JOBS ?= 2
+TEST_WORKERS ?= 3
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 RUN_PASSES = $(VENV)/bin/python -m tests.passes --jobs $(TEST_JOBS) --make "$(MAKE)"
 # One pass: $(call pytest-pass,VENV,DATABASE,NAME,PYTEST ARGUMENTS); its coverage data goes to
 # .coverage.NAME, which `make test` combines with the other passes'.
 pytest-pass = rm -f .coverage.$(3) .coverage.$(3).* && TEST_DATABASE=$(2) COVERAGE_FILE=.coverage.$(3) \
 	$(1)/bin/$(PYTEST) --cov=django_idempotency --cov-report= $(4)
+# What each pass runs (pytest -m).
+EVERYTHING := not reliability
+BACKEND_ONLY := not reliability and not once
+NOT_SLOW := not reliability and not slow
 
-.PHONY: demo tour test lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay bench-retention chaos \
+.PHONY: demo tour test test-quick lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay bench-retention chaos \
 	test-dj52-sqlite test-dj52-postgresql test-dj52-mariadb test-dj6-sqlite test-dj6-postgresql
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
@@ -106,20 +115,33 @@ migrations-check: $(VENV)/.installed
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
-## test-django52, test-django6: the suite on each database with one Django series
+## test-quick: the inner loop, on SQLite with no services (those tests skip), nothing slow
+test-quick: $(VENV)/.installed
+	env -u POSTGRES_URL -u MARIADB_URL -u REDIS_URL -u AMQP_URL -u NATS_URL -u REQUIRE_BACKENDS \
+		TEST_DATABASE=sqlite $(VENV)/bin/$(PYTEST) -q -n auto --dist loadfile \
+		-m "not reliability and not slow and not browser and not concurrency" tests
+
+## test-django52, test-django6: the passes of one Django series
 test-django52: $(VENV)/.installed
-	$(RUN_PASSES) test-dj52-sqlite test-dj52-postgresql test-dj52-mariadb
+	$(RUN_PASSES) test-dj52-postgresql test-dj52-mariadb
 
 test-django6: $(VENV_DJANGO6)/.installed
-	$(RUN_PASSES) test-dj6-postgresql test-dj6-sqlite
+	$(RUN_PASSES) test-dj6-sqlite
 
-## test-dj52-sqlite (and -postgresql, -mariadb; test-dj6-sqlite, -postgresql): one pass, in the
-## terminal, on the database the environment names
-test-dj52-sqlite test-dj52-postgresql test-dj52-mariadb: test-dj52-%: $(VENV)/.installed
-	$(call pytest-pass,$(VENV),$*,dj52.$*,-m "not reliability")
+## test-dj52-postgresql (every test), test-dj52-mariadb (the backend's own), test-dj6-sqlite
+## (all but slow): one pass, in the terminal; test-dj52-sqlite and test-dj6-postgresql run the
+## backend's own tests, outside `make test`
+test-dj52-postgresql: $(VENV)/.installed
+	$(call pytest-pass,$(VENV),postgresql,dj52.postgresql,$(XDIST) -m "$(EVERYTHING)")
 
-test-dj6-sqlite test-dj6-postgresql: test-dj6-%: $(VENV_DJANGO6)/.installed
-	$(call pytest-pass,$(VENV_DJANGO6),$*,dj6.$*,-m "not reliability")
+test-dj52-mariadb test-dj52-sqlite: test-dj52-%: $(VENV)/.installed
+	$(call pytest-pass,$(VENV),$*,dj52.$*,$(XDIST) -m "$(BACKEND_ONLY)")
+
+test-dj6-sqlite: $(VENV_DJANGO6)/.installed
+	$(call pytest-pass,$(VENV_DJANGO6),sqlite,dj6.sqlite,$(XDIST) -m "$(NOT_SLOW)" --ignore=tests/demo)
+
+test-dj6-postgresql: $(VENV_DJANGO6)/.installed
+	$(call pytest-pass,$(VENV_DJANGO6),postgresql,dj6.postgresql,$(XDIST) -m "$(BACKEND_ONLY)")
 
 ## test-reliability: load, faults, hostile input and the state machine (tests/reliability)
 # On PostgreSQL only: the faults restart private PostgreSQL, Redis and RabbitMQ instances that

@@ -24,12 +24,51 @@ hypothesis_settings.register_profile("shared-machine", deadline=None)
 hypothesis_settings.load_profile("shared-machine")
 
 
+#: Test modules whose outcome does not depend on the database backend: settings, checks, parsing,
+#: publishers, clients, the docs, packaging. ``make test`` runs them in its PostgreSQL pass (and
+#: its Django 6 pass) only; the other backends' passes deselect them (``-m "not once"``).
+ONCE = frozenset(
+    {
+        "test_admin_browser", "test_body_bounds", "test_browsable", "test_celery_beat",
+        "test_checks", "test_checks_operations", "test_client", "test_conf",
+        "test_deprecations", "test_docs", "test_failures", "test_fastpath_checks",
+        "test_fingerprint", "test_function_view_csrf", "test_howto_celery_beat",
+        "test_key_message", "test_keys", "test_metrics_multiprocess", "test_nats",
+        "test_openapi", "test_outbox_checks", "test_packaging", "test_ports", "test_proxy",
+        "test_publishers", "test_pytest_plugin", "test_quickstart", "test_redis_cluster",
+        "test_route_secrets", "test_tasks", "test_tracing", "test_verify",
+    }
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__ if item.module is not None else ""
+        if module.rpartition(".")[2] in ONCE or module.startswith("tests.demo."):
+            item.add_marker(pytest.mark.once)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     database = settings.DATABASES["default"]
     header = f"database: {database['ENGINE']} {database.get('HOST') or database['NAME']}"
     if getattr(settings, "PARTITIONED_TABLES", None):
         header += f"\npartitioned by day: {', '.join(settings.PARTITIONED_TABLES)}"
     return header
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings_xdist_suffix(request: pytest.FixtureRequest) -> None:
+    """Each xdist worker its own test databases, as pytest-django gives them, except SQLite's
+    files: those are per worker already (``tests/settings.py``), under the very name the
+    server processes a test starts are told."""
+    worker = getattr(request.config, "workerinput", {}).get("workerid")
+    if not worker:
+        return
+    for database in settings.DATABASES.values():
+        if database["ENGINE"] == "django.db.backends.sqlite3":
+            continue
+        test = database.setdefault("TEST", {})
+        test["NAME"] = f"{test.get('NAME') or 'test_' + database['NAME']}_{worker}"
 
 
 def require_service(name: str) -> str:

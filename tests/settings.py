@@ -14,11 +14,15 @@ from tests.backends import ENV_VARS, BackendUnavailable, service_url
 BASE_DIR = Path(__file__).resolve().parent
 TEST_DATABASE = os.environ.get("TEST_DATABASE", "sqlite")
 
-# One SQLite file per test run, shared with the server processes the tests start.
+# One SQLite file per test run (per xdist worker), shared with the server processes the tests
+# start, which inherit the variable.
 os.environ.setdefault(
     "IDEMPOTENCY_TEST_SQLITE",
     str(Path(tempfile.gettempdir()) / f"django_idempotency_test_{os.getpid()}.sqlite3"),
 )
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and not os.environ["IDEMPOTENCY_TEST_SQLITE"].endswith(f"-{_WORKER}"):
+    os.environ["IDEMPOTENCY_TEST_SQLITE"] += f"-{_WORKER}"
 
 
 def _database() -> dict[str, Any]:

@@ -1,22 +1,16 @@
-"""The slow end-to-end checks (packaging, the quick start, schemathesis) run once per ``make
-test``: in its SQLite pass on the oldest Django series the project supports. What they check
-does not depend on the database or the Django series the suite runs with (they build their own
-environments), so the other passes would only repeat them.
+"""Helpers of the end-to-end checks that build environments of their own (packaging, the quick
+start, the how-tos). What they check does not depend on the database or the Django series the
+suite runs with, so they are marked ``once``: ``make test`` runs them in its reference pass.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
-import django
 import pytest
-
-from tests.settings import TEST_DATABASE
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Files of the checkout that never belong in a copy of it. Besides being no sources, the
@@ -37,27 +31,9 @@ NOT_SOURCES = (
 )
 
 
-def oldest_django_series() -> tuple[int, int]:
-    """The ``django>=X.Y`` of pyproject.toml's dependencies."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    for requirement in project["dependencies"]:
-        match = re.fullmatch(r"django>=(\d+)\.(\d+)", requirement.replace(" ", "").lower())
-        if match:
-            return int(match[1]), int(match[2])
-    raise AssertionError("pyproject.toml names no django>=X.Y dependency")
-
-
-THIS_PASS = TEST_DATABASE == "sqlite" and django.VERSION[:2] == oldest_django_series()
-
-#: Mark a module or test as slow and run it in one pass only.
-once_per_run = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not THIS_PASS,
-        reason=f"runs once per run: with TEST_DATABASE=sqlite on Django "
-        f"{'.'.join(map(str, oldest_django_series()))}",
-    ),
-]
+#: Mark a module that builds environments of its own: run once per ``make test``, never in
+#: ``make test-quick``.
+once_per_run = [pytest.mark.slow, pytest.mark.once]
 
 
 def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 600) -> str:
