@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from django_idempotency.exceptions import (
+    BrokerConfigurationError,
     BrokerUnavailable,
     IdempotencyConfigurationError,
     PublishError,
@@ -44,6 +45,9 @@ SIGNATURE_HEADER = "Webhook-Signature"
 MASK = "***"
 #: A path segment this long is masked unless it reads as plain words (:func:`redact_url`).
 SECRET_SEGMENT_LENGTH = 16
+#: Answers that refuse the route, not the event: a configuration error (not authenticated, not
+#: authorised, not authenticated to a proxy).
+_REFUSED = frozenset({401, 403, 407})
 _PLAIN_WORDS = re.compile(r"[a-z]{1,15}(?:[-_.][a-z]{1,15})*")
 #: Longer signature headers are refused unread; the ones :func:`sign` makes have about 80.
 MAX_SIGNATURE_LENGTH = 256
@@ -162,7 +166,7 @@ class WebhookPublisher(Publisher):
     """``OPTIONS``: ``url`` and ``secret`` (required), ``timeout`` (10 s), ``headers`` (extra
     request headers), ``signature_header`` ("Webhook-Signature"), ``secret_path_segments``
     (positions of path segments to mask in errors, beside those that look secret). Any 2xx
-    answer is success.
+    answer is success; 401, 403 and 407 are a ``BrokerConfigurationError``.
 
     The client is given the redacted URL, so nothing httpx logs or raises can hold a credential:
     the userinfo goes as Basic auth and the real path and query as the request's ``target``.
@@ -228,6 +232,11 @@ class WebhookPublisher(Publisher):
         except httpx.HTTPError as exc:
             reason = f"{type(exc).__name__}{_os_reason(exc)}"
             raise PublishError(f"webhook {self.shown_url} failed: {reason}") from exc
+        if response.status_code in _REFUSED:
+            raise BrokerConfigurationError(
+                f"webhook {self.shown_url} answered {response.status_code}: the receiver "
+                "refused the route's credentials or signature; check its url and secret"
+            )
         if not response.is_success:
             raise PublishError(f"webhook {self.shown_url} answered {response.status_code}")
 
