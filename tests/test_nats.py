@@ -196,7 +196,7 @@ def test_a_denied_subject_is_a_configuration_error_and_allowed_ones_go_out(
         stream(server.url_with("relay:right-pa55")) as created,
     ):
         allowed = message(f"{created.prefix}.orders.paid")
-        denied = message(f"{created.prefix}.denied.paid")
+        denied = message(f"{created.prefix}.denied.Paid")  # nats-py lowercases the denial
         nats_publisher = publisher(server.url_with("relay:right-pa55"), ack_timeout=1)
         try:
             results = nats_publisher.publish_many([allowed, denied])
@@ -205,7 +205,7 @@ def test_a_denied_subject_is_a_configuration_error_and_allowed_ones_go_out(
         stored = created.message_ids()
     assert results[0] is None and stored == [str(allowed.event_id)]
     assert isinstance(results[1], BrokerConfigurationError)
-    assert "denied publishing to" in str(results[1]) and ".denied.paid" in str(results[1])
+    assert "denied publishing to" in str(results[1]) and ".denied.Paid" in str(results[1])
 
 
 def test_the_wrong_expected_stream_is_a_configuration_error(jetstream: Stream) -> None:

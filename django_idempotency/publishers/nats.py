@@ -294,8 +294,9 @@ class NATSPublisher(Publisher):
                 f"(code {outcome.code}, error {outcome.err_code})"
             )
         if isinstance(outcome, nats.errors.TimeoutError | asyncio.TimeoutError):
-            # The server drops a message it denies and says so only to the error callback.
-            if subject in self._denied:
+            # The server drops a message it denies and says so only to the error callback, in
+            # words nats-py lowercases.
+            if subject.lower() in self._denied:
                 return BrokerConfigurationError(
                     f"NATS server denied publishing to {subject!r} (permissions violation)"
                 )
