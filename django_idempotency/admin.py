@@ -40,7 +40,7 @@ from django.utils.translation import gettext_lazy as _
 from django_idempotency import operations
 from django_idempotency.conf import conf
 from django_idempotency.core import leases, statuses
-from django_idempotency.core.failures import FINGERPRINT_LENGTH, normalise
+from django_idempotency.core.failures import FINGERPRINT_LENGTH, FailureKind, normalise
 from django_idempotency.db import database_now
 from django_idempotency.inbox.operator import forget_failed_messages
 from django_idempotency.models import (
@@ -664,7 +664,10 @@ def newest_failure(
     group's range of the failure index."""
     group = rows.in_failure_group(fingerprint)
     fields = ["pk", "last_error", "failure_traceback", "last_failed_at"]
-    fields += ["event_id", "topic"] if group.model is OutboxEvent else ["consumer", "message_id"]
+    if group.model is OutboxEvent:
+        fields += ["event_id", "topic", "failure_kind"]
+    else:
+        fields += ["consumer", "message_id"]
     newest = group.filter(last_failed_at__isnull=False).order_by("-last_failed_at")
     for candidates in (newest, group.order_by("-pk")):  # the latter: fingerprinted by the upgrade
         row: dict[str, Any] | None = candidates.values(*fields).first()
@@ -748,7 +751,7 @@ class OutboxEventAdmin(OperationsAdmin):
         "error_display",
     )
     list_display_links = ("event_display",)
-    list_filter = ("status", FailedFilter, TopicFilter, FailureGroupFilter)
+    list_filter = ("status", FailedFilter, "failure_kind", TopicFilter, FailureGroupFilter)
     sortable_by = ("age",)
     search_fields = ("event_id", "key")
     search_help_text = _("An exact event id or ordering key.")
@@ -764,6 +767,7 @@ class OutboxEventAdmin(OperationsAdmin):
             _("Failure"),
             {
                 "fields": (
+                    "failure_kind",
                     "failure_group_display",
                     "failing_since",
                     "last_failed_at",
@@ -784,6 +788,7 @@ class OutboxEventAdmin(OperationsAdmin):
         *("payload_display", "headers_display", "traceparent", "next_attempt"),
         *("next_attempt_at", "locked_until", "relay_token", "created_at", "published_at"),
         *("age", "failure_group_display", "failing_since", "last_failed_at", "traceback_display"),
+        "failure_kind",
     )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
@@ -859,8 +864,16 @@ class OutboxEventAdmin(OperationsAdmin):
         return gettext("due now")
 
     @admin.display(description=_("last error"))
-    def error_display(self, event: OutboxEvent) -> str:
-        return Truncator(event.last_error).chars(60) or "–"
+    def error_display(self, event: OutboxEvent) -> SafeString | str:
+        error = Truncator(event.last_error).chars(60) or "–"
+        if event.failure_kind == FailureKind.CONFIGURATION:
+            # Retried only every OUTBOX_BACKOFF_MAX_SECONDS: a person must fix the route.
+            return format_html(
+                '<strong class="idempotency-alert">{}</strong> · {}',
+                gettext("configuration error"),
+                error,
+            )
+        return error
 
     @admin.display(description=_("last error"))
     def last_error_display(self, event: OutboxEvent) -> SafeString | str:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from django.core.exceptions import ImproperlyConfigured
 
 __all__ = [
+    "BrokerConfigurationError",
     "BrokerUnavailable",
     "CredentialsNotScoped",
     "DuplicateEventId",
@@ -274,3 +275,11 @@ class PublishError(OutboxError):
 class BrokerUnavailable(PublishError):
     """The broker cannot be reached at all: the relay stops this batch instead of trying each
     remaining event against a dead connection."""
+
+
+class BrokerConfigurationError(PublishError):
+    """The broker (or webhook receiver) answered, and refused the route: wrong credentials, no
+    permission for the subject or exchange, a stream, exchange or virtual host that does not
+    exist. Retrying soon cannot help and the event is not at fault, so the relay retries it only
+    every ``OUTBOX_BACKOFF_MAX_SECONDS`` and never makes it DEAD for this; a person fixes the
+    route's ``OPTIONS`` or the broker."""

@@ -6,6 +6,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
+from django_idempotency.core.failures import FailureKind
 from django_idempotency.core.types import MAX_KEY_LENGTH, MAX_SCOPE_LENGTH
 from django_idempotency.querysets import (
     FailedMessageQuerySet,
@@ -256,6 +257,19 @@ class OutboxEvent(models.Model):
         help_text=_(
             "Where the latest failure was raised: its frames, bounded in size; the messages "
             "of the exceptions it was raised from are not stored."
+        ),
+    )
+    failure_kind = models.CharField(  # noqa: DJ001
+        _("failure kind"),
+        max_length=16,
+        choices=FailureKind.choices,
+        null=True,
+        blank=True,
+        help_text=_(
+            "Why the latest attempt failed: unreachable (the broker could not be reached), "
+            "configuration (the broker refused the route: credentials, permissions, a missing "
+            "stream or exchange; retried only every OUTBOX_BACKOFF_MAX_SECONDS, never DEAD for "
+            "it) or other. Empty once published or retried."
         ),
     )
 

@@ -14,6 +14,7 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 from factory.django import DjangoModelFactory
 
+from django_idempotency.core.failures import FailureKind
 from django_idempotency.core.types import Identity
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 from django_idempotency.querysets import ACCEPTED, COMPLETED, PROCESSING, OutboxStatus
@@ -74,7 +75,8 @@ class IdempotencyRecordFactory(DjangoModelFactory):
 
 class OutboxEventFactory(DjangoModelFactory):
     """A PENDING event, due, never tried; traits ``published``, ``dead``, ``failing`` (pending
-    a retry after two failures) and ``leased`` (a relay is publishing it)."""
+    a retry after two failures), ``misconfigured`` (the same, the broker refusing its route)
+    and ``leased`` (a relay is publishing it)."""
 
     class Meta:
         model = OutboxEvent
@@ -82,10 +84,22 @@ class OutboxEventFactory(DjangoModelFactory):
     class Params:
         published = factory.Trait(status=OutboxStatus.PUBLISHED, published_at=_ago(60))
         dead = factory.Trait(
-            status=OutboxStatus.DEAD, attempts=10, last_error="PublishError: the broker said no"
+            status=OutboxStatus.DEAD,
+            attempts=10,
+            last_error="PublishError: the broker said no",
+            failure_kind=FailureKind.OTHER,
         )
         failing = factory.Trait(
-            attempts=2, next_attempt_at=_ago(-300), last_error="BrokerUnavailable: timed out"
+            attempts=2,
+            next_attempt_at=_ago(-300),
+            last_error="BrokerUnavailable: timed out",
+            failure_kind=FailureKind.UNREACHABLE,
+        )
+        misconfigured = factory.Trait(
+            attempts=2,
+            next_attempt_at=_ago(-600),
+            last_error="BrokerConfigurationError: NATS server refused the credentials",
+            failure_kind=FailureKind.CONFIGURATION,
         )
         leased = factory.Trait(locked_until=_ago(-60), relay_token=factory.LazyFunction(uuid.uuid4))
 

@@ -120,9 +120,12 @@ def stream(url: str, **config: Any) -> Iterator[Stream]:
 
 class PrivateServer:
     """``nats-server -js`` of this test's own, on a free port, with a store directory that
-    outlives :meth:`restart` (so streams and their deduplication state survive it)."""
+    outlives :meth:`restart` (so streams and their deduplication state survive it).
 
-    def __init__(self, store: Path) -> None:
+    ``config``: a nats-server configuration file's text (users and their permissions, say),
+    and ``credentials`` (``"user:password"``) for the server's own readiness probe."""
+
+    def __init__(self, store: Path, config: str = "", credentials: str = "") -> None:
         if not Path(NATS_SERVER).exists():
             if backends_required():
                 raise RuntimeError(f"{NATS_SERVER} is missing but REQUIRE_BACKENDS is set")
@@ -130,11 +133,32 @@ class PrivateServer:
         self.store = store
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
+        self.config = config
+        self.credentials = credentials
         self.process: subprocess.Popen[bytes] | None = None
 
+    def url_with(self, credentials: str) -> str:
+        """The server's URL with ``"user:password"`` in it."""
+        return f"nats://{credentials}@127.0.0.1:{self.port}"
+
     def start(self) -> None:
+        command = [
+            NATS_SERVER,
+            "-js",
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-sd",
+            str(self.store),
+        ]
+        if self.config:
+            self.store.mkdir(parents=True, exist_ok=True)
+            config = self.store / "nats-server.conf"
+            config.write_text(self.config)
+            command += ["-c", str(config)]
         self.process = subprocess.Popen(
-            [NATS_SERVER, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store)],
+            command,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -150,7 +174,8 @@ class PrivateServer:
 
     def _jetstream_ready(self) -> bool:
         async def ask() -> bool:
-            client = await nats.connect(self.url, allow_reconnect=False, connect_timeout=1)
+            url = self.url_with(self.credentials) if self.credentials else self.url
+            client = await nats.connect(url, allow_reconnect=False, connect_timeout=1)
             try:
                 await client.jetstream().account_info()
                 return True
@@ -212,8 +237,8 @@ def _stopped(task: Path) -> bool:
 
 
 @contextlib.contextmanager
-def private_server(store: Path) -> Iterator[PrivateServer]:
-    server = PrivateServer(store)
+def private_server(store: Path, config: str = "", credentials: str = "") -> Iterator[PrivateServer]:
+    server = PrivateServer(store, config, credentials)
     server.start()
     try:
         yield server

@@ -202,6 +202,7 @@ def test_the_changelist_shows_one_group_and_names_it(superuser, groups):
     assert [s.title for s in unfiltered.context["cl"].filter_specs if s.has_output()] == [
         "status",
         "failed",
+        "failure kind",
         "topic",
     ]
 

@@ -125,12 +125,19 @@ def test_outbox_section():
     OutboxEventFactory.create_batch(2, failing=True)
     OutboxEventFactory.create_batch(3, dead=True)
     OutboxEventFactory.create_batch(4, published=True)
+    OutboxEventFactory(misconfigured=True)
     section = health.outbox_section(now)
     assert section.model is OutboxEvent
     assert [(f.label, f.value, f.query, f.alert) for f in section.figures] == [
-        ("pending", "3", "status__exact=PENDING", False),
+        ("pending", "4", "status__exact=PENDING", False),
         ("oldest pending", "5\xa0minutes", "status__exact=PENDING", True),
         ("dead", "3", "status__exact=DEAD", True),
+        (
+            "configuration errors",
+            "1",
+            "status__exact=PENDING&failure_kind__exact=configuration",
+            True,
+        ),
     ]
 
 

@@ -12,6 +12,7 @@ from django.utils import timezone
 from freezegun import freeze_time
 from prometheus_client import CollectorRegistry
 
+from django_idempotency.exceptions import BrokerConfigurationError, BrokerUnavailable
 from django_idempotency.inbox import consume_once
 from django_idempotency.models import OutboxEvent
 from django_idempotency.operations import health, sweeps
@@ -36,7 +37,15 @@ SAMPLES = {
         "django_idempotency_outbox_publish_latency_seconds_bucket",
         {"le": "3600.0"},
     ),
-    "failures": ("django_idempotency_outbox_publish_failures_total", {}),
+    "failures": ("django_idempotency_outbox_publish_failures_total", {"reason": "other"}),
+    "failures_configuration": (
+        "django_idempotency_outbox_publish_failures_total",
+        {"reason": "configuration"},
+    ),
+    "failures_unreachable": (
+        "django_idempotency_outbox_publish_failures_total",
+        {"reason": "unreachable"},
+    ),
     "dead": ("django_idempotency_outbox_events_dead_total", {}),
     "duplicates_billing": (
         "django_idempotency_consumer_duplicates_skipped_total",
@@ -89,6 +98,26 @@ def test_failures_and_dead_events_are_counted(metrics):
             OutboxEvent.objects.pending().update(next_attempt_at=timezone.now())
             relay_all()
     assert metrics.delta() == {"failures": 2, "dead": 1}
+
+
+@pytest.mark.parametrize(
+    ("failure", "reason"),
+    [
+        (BrokerConfigurationError, "failures_configuration"),
+        (BrokerUnavailable, "failures_unreachable"),
+    ],
+)
+def test_failures_are_counted_by_reason_and_neither_reason_goes_dead(metrics, failure, reason):
+    """A refused route and an unreachable broker each have a label of their own, apart from the
+    failures of an event (``other``), so an alert can tell wrong credentials from an outage."""
+    publish_committed()
+    broker.fail_when(lambda message: True, failure)
+    with settings_with(OUTBOX_MAX_ATTEMPTS=2):
+        for _ in range(3):
+            OutboxEvent.objects.pending().update(next_attempt_at=timezone.now())
+            relay_all()
+    assert metrics.delta() == {reason: 3}
+    assert OutboxEvent.objects.get().status == OutboxEvent.Status.PENDING
 
 
 def test_consumers_count_the_duplicates_they_skip(metrics):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,6 +19,7 @@ from django.db import connections
 
 from django_idempotency import checks
 from django_idempotency.exceptions import (
+    BrokerConfigurationError,
     BrokerUnavailable,
     IdempotencyConfigurationError,
     PublishError,
@@ -134,8 +136,8 @@ def test_one_bad_event_fails_alone(jetstream: Stream) -> None:
     finally:
         nats_publisher.close()
     assert results[0] is None
-    assert isinstance(results[1], PublishError) and "no JetStream stream" in str(results[1])
-    assert not isinstance(results[1], BrokerUnavailable)
+    assert isinstance(results[1], BrokerConfigurationError)
+    assert "no JetStream stream captures subject" in str(results[1])
     assert isinstance(results[2], PublishError) and "whitespace" in str(results[2])
     assert isinstance(results[3], PublishError) and "wildcard" in str(results[3])
     assert jetstream.message_ids() == [str(good.event_id)]
@@ -152,6 +154,68 @@ def test_an_unreachable_server_fails_every_event_without_naming_its_password() -
         nats_publisher.close()
     assert all(isinstance(result, BrokerUnavailable) for result in results)
     assert "s3cret" not in str(results[0]) and "unreachable" in str(results[0])
+
+
+#: A private server's users: ``relay`` may publish anywhere but to ``<prefix>.denied.>``.
+USERS = """
+authorization {
+  users = [
+    {user: relay, password: right-pa55, permissions: {publish: {deny: ["*.denied.>"]}}}
+  ]
+}
+"""
+
+
+def test_wrong_credentials_are_a_configuration_error_not_an_unreachable_server(
+    tmp_path: Path,
+) -> None:
+    """nats-py keeps reconnecting after the server refused the credentials and says so only to
+    its error callback: the publisher stops at the first refusal instead of timing out as an
+    "unreachable: TimeoutError", and never names the password."""
+    with private_server(tmp_path / "store", USERS, "relay:right-pa55") as server:
+        nats_publisher = publisher(server.url_with("relay:wrong-pa55"), connect_timeout=10)
+        try:
+            started = time.monotonic()
+            results = nats_publisher.publish_many([message("orders.paid", n) for n in range(3)])
+            elapsed = time.monotonic() - started
+        finally:
+            nats_publisher.close()
+    assert all(isinstance(result, BrokerConfigurationError) for result in results), results
+    assert str(results[0]) == "NATS server refused the credentials (authorization violation)"
+    assert elapsed < 5  # the first refusal, not the connect timeout
+    assert "pa55" not in str(results[0])
+
+
+def test_a_denied_subject_is_a_configuration_error_and_allowed_ones_go_out(
+    tmp_path: Path,
+) -> None:
+    """The server drops a message the user may not publish and reports it only to the error
+    callback; the ack then times out, and the publisher names the denial instead."""
+    with (
+        private_server(tmp_path / "store", USERS, "relay:right-pa55") as server,
+        stream(server.url_with("relay:right-pa55")) as created,
+    ):
+        allowed = message(f"{created.prefix}.orders.paid")
+        denied = message(f"{created.prefix}.denied.Paid")  # nats-py lowercases the denial
+        nats_publisher = publisher(server.url_with("relay:right-pa55"), ack_timeout=1)
+        try:
+            results = nats_publisher.publish_many([allowed, denied])
+        finally:
+            nats_publisher.close()
+        stored = created.message_ids()
+    assert results[0] is None and stored == [str(allowed.event_id)]
+    assert isinstance(results[1], BrokerConfigurationError)
+    assert "denied publishing to" in str(results[1]) and ".denied.Paid" in str(results[1])
+
+
+def test_the_wrong_expected_stream_is_a_configuration_error(jetstream: Stream) -> None:
+    nats_publisher = publisher(jetstream.url, stream=f"NO_SUCH_{uuid.uuid4().hex[:8].upper()}")
+    try:
+        (result,) = nats_publisher.publish_many([message(f"{jetstream.prefix}.orders.paid")])
+    finally:
+        nats_publisher.close()
+    assert isinstance(result, BrokerConfigurationError)
+    assert "expected stream does not match" in str(result) and "10060" in str(result)
 
 
 def test_a_server_that_hangs_fails_each_event_then_they_go_out_once(tmp_path: Path) -> None:
@@ -254,6 +318,35 @@ def test_the_relay_publishes_through_a_nats_route_and_a_dead_relay_costs_no_dupl
     assert stats.published == 4 and stats.failed == 0
     assert OutboxEvent.objects.published().count() == 4
     assert jetstream.message_ids() == [str(event.event_id) for event in events]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_relay_records_wrong_credentials_as_a_configuration_error(tmp_path: Path) -> None:
+    """What the operator reads: the credentials, not "unreachable: TimeoutError"; the event
+    waits the backoff's ceiling, and goes out once the route has the right password."""
+    with (
+        private_server(tmp_path / "store", USERS, "relay:right-pa55") as server,
+        stream(server.url_with("relay:right-pa55")) as created,
+    ):
+        topic = f"{created.prefix}.paid"
+        wrong = nats_route(server.url_with("relay:wrong-pa55"), created.prefix)
+        with settings_with(OUTBOX_PUBLISHERS=wrong, OUTBOX_MAX_ATTEMPTS=1):
+            event = publish_committed(topic)
+            with Relay() as relay:
+                assert relay.run_once().failed == 1
+        event.refresh_from_db()
+        assert event.last_error == (
+            "BrokerConfigurationError: NATS server refused the credentials "
+            "(authorization violation)"
+        )
+        assert (event.failure_kind, event.status) == ("configuration", OutboxStatus.PENDING)
+        assert event.last_failed_at is not None
+        assert (event.next_attempt_at - event.last_failed_at).total_seconds() == 600
+        right = nats_route(server.url_with("relay:right-pa55"), created.prefix)
+        OutboxEvent.objects.filter(pk=event.pk).update(next_attempt_at=event.last_failed_at)
+        with settings_with(OUTBOX_PUBLISHERS=right), Relay() as relay:
+            assert relay.drain().published == 1
+        assert created.message_ids() == [str(event.event_id)]
 
 
 class RestartingPublisher(NATSPublisher):

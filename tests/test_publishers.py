@@ -14,6 +14,7 @@ from django.utils import timezone
 from kombu import Connection, Exchange, Queue
 
 from django_idempotency.exceptions import (
+    BrokerConfigurationError,
     BrokerUnavailable,
     IdempotencyConfigurationError,
     PublishError,
@@ -319,6 +320,22 @@ def test_webhook_non_2xx_is_a_failure(receiver):
     publisher.close()
 
 
+@pytest.mark.parametrize("status", [401, 403, 407])
+def test_webhook_refused_credentials_are_a_configuration_error_for_the_whole_batch(
+    receiver, status
+):
+    """The receiver refused the route's credentials or signature: no later message of the batch
+    is sent to meet the same answer, and the URL's password stays out of the error."""
+    receiver.status = status
+    url = receiver.url.replace("http://", "http://hooks:pa55-w0rd@")
+    publisher = WebhookPublisher(url=url, secret="k")
+    results = publisher.publish_many([message(), message(), message()])
+    publisher.close()
+    assert all(isinstance(result, BrokerConfigurationError) for result in results)
+    assert results[0] is results[2] and len(receiver.requests) == 1
+    assert f"answered {status}" in str(results[0]) and "pa55-w0rd" not in str(results[0])
+
+
 def test_webhook_unreachable_fails_the_rest_of_the_batch():
     import socket
 
@@ -567,14 +584,49 @@ def test_amqp_unroutable_messages_fail_instead_of_vanishing(rabbit):
     assert isinstance(results[1], PublishError) and "unroutable" in str(results[1])
 
 
-def test_amqp_missing_exchange_without_declare_raises_and_recovers(rabbit):
+def test_amqp_missing_exchange_without_declare_is_a_configuration_error_and_recovers(rabbit):
     publisher = AMQPPublisher(
         url=rabbit["url"], exchange=f"missing-{uuid.uuid4().hex}", declare=False
     )
-    with pytest.raises(Exception, match="NOT_FOUND|not found|404"):
-        publisher.publish_many([message()])
+    results = publisher.publish_many([message(), message()])
+    assert all(isinstance(result, BrokerConfigurationError) for result in results)
+    assert "NOT_FOUND - no exchange" in str(results[0])
     assert publisher._connection is None
+    publisher.exchange = rabbit["exchange"]  # the route fixed: the next batch connects afresh
+    assert publisher.publish_many([message()]) == [None]
     publisher.close()
+
+
+def _with_password(url, password):
+    """``url`` with its password replaced."""
+    return re.sub(r"(amqp://[^:/@]+:)[^@]*@", rf"\g<1>{password}@", url)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("wrong password", "ACCESS_REFUSED - Login was refused"),
+        ("no such virtual host", "NOT_ALLOWED - vhost"),
+        ("the exchange declared with another type", "PRECONDITION_FAILED - inequivalent arg"),
+    ],
+)
+def test_amqp_refusals_of_the_route_are_configuration_errors(rabbit, case, expected):
+    """RabbitMQ answered and refused: not an unreachable broker (NOT_ALLOWED is a connection
+    error to kombu, which used to make it one)."""
+    url, exchange_type = rabbit["url"], "topic"
+    if case == "wrong password":
+        url = _with_password(url, "wr0ng-pa55")
+    elif case == "no such virtual host":
+        url = url.rstrip("/") + f"/no-such-vhost-{uuid.uuid4().hex[:8]}"
+    else:
+        exchange_type = "direct"
+    publisher = AMQPPublisher(
+        url=url, exchange=rabbit["exchange"], exchange_type=exchange_type, connect_timeout=5
+    )
+    results = publisher.publish_many([message(), message()])
+    publisher.close()
+    assert all(isinstance(result, BrokerConfigurationError) for result in results), results
+    assert expected in str(results[0]) and "pa55" not in str(results[0])
 
 
 def test_amqp_needs_url_and_exchange():

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from io import StringIO
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedM
 from django_idempotency.operations import verify as verifying
 from django_idempotency.operations.verify import PLAN, Result, VerifyOptions, verify
 from django_idempotency.request import cache, store
+from tests import settings_verify_secrets as secret_settings
 from tests.servers import ROOT, gunicorn
 from tests.testapp.models import Widget
 
@@ -271,3 +274,48 @@ def test_the_outbox_check_can_go_through_a_configured_route() -> None:
     assert result.passed is True, result.evidence
     assert "on 'orders.verified'" in result.evidence and "lost: 0" in result.evidence
     nothing_left_behind()
+
+
+def exec_image(pid: int) -> tuple[bytes, bytes]:
+    """The command line and environment the process ``pid`` was started with, as any local
+    user reads them. Popen returns while the kernel may still be laying out the new program's
+    arguments, which read as empty until it is done."""
+    proc = Path(f"/proc/{pid}")
+    deadline = time.monotonic() + 10
+    while not (cmdline := (proc / "cmdline").read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return cmdline, (proc / "environ").read_bytes()
+
+
+@pytest.mark.parametrize("topic", sorted(secret_settings.ROUTES))
+def test_no_secret_of_the_route_reaches_a_child_process(
+    topic: str, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The killed relay of ``--outbox-topic`` gets the topic, never the route's OPTIONS: any
+    local user reads a process's command line, and process agents and audit logs keep it. The
+    child resolves the route from the settings it loads (``tests.settings_verify_secrets``, the
+    routes the parent has too)."""
+    settings.IDEMPOTENCY = {**settings.IDEMPOTENCY, "OUTBOX_PUBLISHERS": secret_settings.ROUTES}
+    monkeypatch.setenv("DJANGO_SETTINGS_MODULE", "tests.settings_verify_secrets")
+    seen: list[tuple[str, bytes, bytes]] = []
+
+    class Watched(subprocess.Popen[bytes]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            seen.append((str(self.pid), *exec_image(self.pid)))
+
+    monkeypatch.setattr(verifying.subprocess, "Popen", Watched)
+    scratch = verifying._Scratch()
+    try:
+        result = verifying._killed_relay(
+            scratch, VerifyOptions(outbox_topic=topic, lease_seconds=1, timeout=5)
+        )
+    finally:
+        verifying._clean_up(scratch)
+    assert len(seen) == 1, result.evidence
+    pid, cmdline, environ = seen[0]
+    assert pid in result.evidence
+    assert topic.encode() in cmdline and b"DJANGO_SETTINGS_MODULE" in environ
+    for secret in secret_settings.SECRETS:
+        assert secret.encode() not in cmdline, "a secret on the command line"
+        assert secret.encode() not in environ, "a secret in the environment"

@@ -11,6 +11,9 @@ Everything here is pure (no database, no settings), so the relay, the idempotent
 recorded before fingerprints existed, and the tests share one definition.
 The signature is computed from the same text the relay stores in ``last_error``, so a
 fingerprint can be recomputed from a stored error: the two always agree.
+
+A publish failure also has a *kind* (:class:`FailureKind`), one of a fixed few: what the relay's
+retries, the admin's filter, the health panel and the metrics' ``reason`` label go by.
 """
 
 from __future__ import annotations
@@ -20,13 +23,24 @@ import re
 import traceback
 from types import TracebackType
 
+from django.db import models
+from django.utils.translation import gettext_lazy as _
+
+from django_idempotency.exceptions import (
+    BrokerConfigurationError,
+    BrokerUnavailable,
+    IdempotencyConfigurationError,
+)
+
 __all__ = [
     "FINGERPRINT_LENGTH",
+    "FailureKind",
     "MESSAGE_MAX_CHARS",
     "TRACEBACK_MAX_CHARS",
     "TRACEBACK_MAX_FRAMES",
     "describe",
     "failure_fingerprint",
+    "failure_kind",
     "failure_traceback",
     "fingerprint_of",
     "normalise",
@@ -69,6 +83,27 @@ _NORMALISERS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\d+"), "<n>"),
     (re.compile(r"\s+"), " "),
 )
+
+
+class FailureKind(models.TextChoices):
+    """Why publishing failed, as an operator acts on it."""
+
+    #: The broker could not be reached (down, a network fault): it comes back on its own.
+    UNREACHABLE = "unreachable", _("Unreachable")
+    #: The broker refused the route (credentials, permissions, a missing stream or exchange),
+    #: or the route itself is wrong (no route, bad OPTIONS): a person must fix it.
+    CONFIGURATION = "configuration", _("Configuration")
+    #: Anything else: the broker refused this message, a timeout, an error of the publisher.
+    OTHER = "other", _("Other")
+
+
+def failure_kind(error: BaseException) -> FailureKind:
+    """The kind of a publish failure (see :class:`FailureKind`)."""
+    if isinstance(error, BrokerConfigurationError | IdempotencyConfigurationError):
+        return FailureKind.CONFIGURATION
+    if isinstance(error, BrokerUnavailable):
+        return FailureKind.UNREACHABLE
+    return FailureKind.OTHER
 
 
 def describe(error: BaseException) -> str:

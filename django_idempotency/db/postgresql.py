@@ -428,6 +428,7 @@ ACK_COLUMNS = (
     "failing_since",
     "last_failed_at",
     "failure_traceback",
+    "failure_kind",
 )
 
 
@@ -638,7 +639,13 @@ def outbox_ack_statement(
         ),
         *(
             unless(ACK_UNTRIED, field)
-            for field in ("last_error", "failure_fingerprint", "failing_since", "failure_traceback")
+            for field in (
+                "last_error",
+                "failure_fingerprint",
+                "failing_since",
+                "failure_traceback",
+                "failure_kind",
+            )
         ),
         f"{name('locked_until')} = NULL",
         f"{name('relay_token')} = NULL",

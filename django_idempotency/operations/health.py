@@ -18,12 +18,13 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from django.db import connections, models, router
-from django.db.models import Min
+from django.db.models import Count, Min, Q
 from django.utils.formats import number_format
 from django.utils.timesince import timesince
 from django.utils.translation import gettext as _
 
 from django_idempotency.conf import conf
+from django_idempotency.core.failures import FailureKind
 from django_idempotency.db import database_now
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
 from django_idempotency.querysets import OutboxStatus, RecordStatus
@@ -158,10 +159,14 @@ class OutboxHealth:
     oldest_pending_at: datetime | None
     #: DEAD events, waiting for a person.
     dead: RowCount
+    #: PENDING events whose latest attempt failed on a configuration error (the broker refused
+    #: the route: credentials, permissions, a missing stream or exchange; or no route), among
+    #: the first ``COUNT_LIMIT`` in the relay's order: a lower bound when more are pending.
+    configuration_errors: RowCount
 
 
 def outbox_health(using: str | None = None) -> OutboxHealth:
-    """Three bounded reads through the relay index, whatever the table's size.
+    """Four bounded reads through the relay index, whatever the table's size.
 
     The oldest pending event is the oldest among the first ``OLDEST_PENDING_SAMPLE`` in the
     relay's order (id order): that order follows creation closely (it is creation order apart
@@ -171,10 +176,19 @@ def outbox_health(using: str | None = None) -> OutboxHealth:
     events = OutboxEvent.objects.using(using).all() if using else OutboxEvent.objects.all()
     pending = events.pending()
     head = pending.in_relay_order().values_list("created_at", flat=True)
+    # Counted over a LIMITed subquery in the relay's order: the index's first rows, no more.
+    head_kinds = pending.in_relay_order()[:COUNT_LIMIT].aggregate(
+        configuration=Count("pk", filter=Q(failure_kind=FailureKind.CONFIGURATION)),
+        read=Count("pk"),
+    )
     return OutboxHealth(
         pending=count_rows(pending),
         oldest_pending_at=min(head[:OLDEST_PENDING_SAMPLE], default=None),
         dead=count_rows(events.dead()),
+        configuration_errors=RowCount(
+            head_kinds["configuration"],
+            "at_least" if head_kinds["read"] >= COUNT_LIMIT else "exact",
+        ),
     )
 
 
@@ -196,6 +210,12 @@ def outbox_section(now: datetime) -> Section:
                 str(outbox.dead),
                 f"status__exact={OutboxStatus.DEAD}",
                 alert=outbox.dead.value > 0,
+            ),
+            Figure(
+                _("configuration errors"),
+                str(outbox.configuration_errors),
+                f"{pending_query}&failure_kind__exact={FailureKind.CONFIGURATION}",
+                alert=outbox.configuration_errors.value > 0,
             ),
         ),
     )

@@ -24,6 +24,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
+from django_idempotency.core.failures import failure_kind
 from django_idempotency.models import OutboxEvent
 from django_idempotency.operations import health
 
@@ -93,7 +94,10 @@ OUTBOX_PUBLISH_LATENCY = Histogram(
 )
 OUTBOX_PUBLISH_FAILURES = Counter(
     PREFIX + "outbox_publish_failures",
-    "Failed attempts to publish an outbox event; each is retried with backoff until DEAD.",
+    "Failed attempts to publish an outbox event, by reason: unreachable (the broker could not "
+    "be reached), configuration (the broker refused the route: credentials, permissions, a "
+    "missing stream or exchange), other.",
+    ["reason"],
 )
 OUTBOX_DEAD = Counter(
     PREFIX + "outbox_events_dead",
@@ -163,6 +167,11 @@ def _count_published(sender: Any, *, event: Any, publisher: str = "", **kwargs: 
             OUTBOX_PUBLISH_LATENCY.observe(max(waited, 0.0))
 
 
+def _count_publish_failure(sender: Any, *, error: BaseException, **kwargs: Any) -> None:
+    if conf.METRICS:
+        OUTBOX_PUBLISH_FAILURES.labels(reason=failure_kind(error).value).inc()
+
+
 def _counting_operator(action: str) -> Receiver:
     """Count an operator's action on outbox events, and the events it changed."""
 
@@ -198,7 +207,7 @@ RECEIVERS: tuple[tuple[Signal, Receiver], ...] = (
     (signals.key_released, _counting_by(RELEASES, "reason")),
     (signals.claim_finished, _time_claim),
     (signals.event_published, _count_published),
-    (signals.publish_failed, _counting(OUTBOX_PUBLISH_FAILURES)),
+    (signals.publish_failed, _count_publish_failure),
     (signals.event_dead, _counting(OUTBOX_DEAD)),
     (signals.duplicate_skipped, _counting_by(CONSUMER_DUPLICATES, "consumer")),
     (signals.rows_swept, _counting_by(SWEPT_ROWS, "sweep", amount="count")),
@@ -218,8 +227,9 @@ def connect() -> None:
 
 
 class OutboxCollector:
-    """The outbox's backlog, the age of its oldest pending event and its DEAD events, read
-    from the database each time the registry is scraped.
+    """The outbox's backlog, the age of its oldest pending event, its DEAD events and those
+    failing on a configuration error, read from the database each time the registry is
+    scraped.
 
     Register it on the registry you serve, once: ``REGISTRY.register(OutboxCollector())`` in a
     single process, or beside ``MultiProcessCollector`` in the metrics view under gunicorn.
@@ -244,14 +254,15 @@ class OutboxCollector:
         except DatabaseError:
             logger.warning("outbox gauges: the database could not be read", exc_info=True)
             return []
-        pending, oldest, dead = _outbox_families()
+        pending, oldest, dead, misconfigured = _outbox_families()
         pending.add_metric([], outbox.pending.value)
         age = 0.0
         if outbox.oldest_pending_at is not None:
             age = max((timezone.now() - outbox.oldest_pending_at).total_seconds(), 0.0)
         oldest.add_metric([], age)
         dead.add_metric([], outbox.dead.value)
-        return [pending, oldest, dead]
+        misconfigured.add_metric([], outbox.configuration_errors.value)
+        return [pending, oldest, dead, misconfigured]
 
     def _read(self) -> health.OutboxHealth:
         alias = self.using or router.db_for_read(OutboxEvent)
@@ -266,7 +277,9 @@ class OutboxCollector:
                 connection.close()
 
 
-def _outbox_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+def _outbox_families() -> tuple[
+    GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily
+]:
     return (
         GaugeMetricFamily(
             PREFIX + "outbox_pending_events",
@@ -279,5 +292,12 @@ def _outbox_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetri
         GaugeMetricFamily(
             PREFIX + "outbox_dead_events",
             "Outbox events that are DEAD and wait for a person to retry or discard them.",
+        ),
+        GaugeMetricFamily(
+            PREFIX + "outbox_configuration_error_events",
+            "PENDING outbox events whose latest attempt failed on a configuration error (the "
+            "broker refused the route: credentials, permissions, a missing stream or exchange; "
+            "or no route): retried every OUTBOX_BACKOFF_MAX_SECONDS until a person fixes it. "
+            "Counted among the first 10,000 pending events: a lower bound above that.",
         ),
     )

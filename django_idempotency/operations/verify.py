@@ -50,7 +50,7 @@ from django_idempotency.outbox.publish import publish
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 from django_idempotency.publishers.memory import broker
-from django_idempotency.publishers.routing import build, parse_spec
+from django_idempotency.publishers.routing import Route, build, resolve_route
 from django_idempotency.querysets import OutboxStatus
 from django_idempotency.request import cache
 from django_idempotency.request.lifecycle import Options, serve
@@ -765,12 +765,13 @@ class _ScratchRelay(Relay):
 
 
 class HaltingPublisher(Publisher):
-    """For the relay the outbox check kills: publishes (through ``inner``, a route spec, or the
-    in-memory broker), reports the ids on stdout, then waits to be killed before its ack."""
+    """For the relay the outbox check kills: publishes (through ``inner``, the route the child
+    resolved from its own settings, or the in-memory broker), reports the ids on stdout, then
+    waits to be killed before its ack."""
 
-    def __init__(self, *, inner: Any = None) -> None:
+    def __init__(self, *, inner: Route | None = None) -> None:
         super().__init__()
-        self.inner = build(parse_spec("inner", inner)) if inner is not None else None
+        self.inner = build(inner) if inner is not None else None
 
     def publish_many(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
         if self.inner is not None:
@@ -792,7 +793,8 @@ def _killed_relay(scratch: _Scratch, options: VerifyOptions) -> Result:
     gate_topic = f"{scratch.topic}.gate"
     memory = "django_idempotency.publishers.memory.MemoryPublisher"
     user_routes = dict(conf.OUTBOX_PUBLISHERS)
-    inner = None if options.outbox_topic is None else _route_spec(topic, user_routes)
+    if options.outbox_topic is not None:
+        resolve_route(topic, user_routes)  # unroutable: fails here, not in the child
     routes = {
         gate_topic: memory,
         **({} if options.outbox_topic else {topic: memory}),
@@ -806,7 +808,14 @@ def _killed_relay(scratch: _Scratch, options: VerifyOptions) -> Result:
         events = _scratch_events(scratch, topic, gate_topic, gate_token, using)
         ids = [event.pk for event in events]
         wanted = {str(event.event_id) for event in events}
-        arguments = {"ids": ids, "topic": topic, "inner": inner, "lease": options.lease_seconds}
+        # The route's OPTIONS hold passwords and signing secrets: the child gets the topic and
+        # resolves the route from its own settings, so nothing secret is on its command line.
+        arguments = {
+            "ids": ids,
+            "topic": topic,
+            "routed": options.outbox_topic is not None,
+            "lease": options.lease_seconds,
+        }
         try:
             with _spawned("relay", arguments) as child_process:
                 first = set(_await_line(child_process, "PUBLISHED", options.timeout).split())
@@ -851,13 +860,6 @@ def _killed_relay(scratch: _Scratch, options: VerifyOptions) -> Result:
     if options.outbox_topic is None:
         passed = passed and set(republished) == wanted
     return Result(name, passed, evidence)
-
-
-def _route_spec(topic: str, routes: dict[str, Any]) -> Any:
-    from django_idempotency.publishers.routing import resolve_route
-
-    route = resolve_route(topic, routes)
-    return {"BACKEND": route.backend, "OPTIONS": dict(route.options)}
 
 
 @contextlib.contextmanager
@@ -1046,14 +1048,17 @@ def _child_request(arguments: dict[str, Any]) -> None:
 
 
 def _child_relay(arguments: dict[str, Any]) -> None:
-    halting = {
-        "BACKEND": f"{__name__}.HaltingPublisher",
-        "OPTIONS": {"inner": arguments["inner"]},
-    }
-    settings.IDEMPOTENCY = {
+    # Resolved here, from this process's settings, before they route the topic to the halting
+    # publisher: the parent never passes a route's OPTIONS (see _killed_relay).
+    inner = resolve_route(arguments["topic"]) if arguments["routed"] else None
+    halting = {"BACKEND": f"{__name__}.HaltingPublisher", "OPTIONS": {"inner": inner}}
+    halted = {
         **getattr(settings, "IDEMPOTENCY", {}),
         "OUTBOX_PUBLISHERS": {arguments["topic"]: halting},
         "OUTBOX_KICK": None,
     }
-    with _ScratchRelay(arguments["ids"], lease_seconds=arguments["lease"]) as relay:
+    with (
+        override_settings(IDEMPOTENCY=halted),
+        _ScratchRelay(arguments["ids"], lease_seconds=arguments["lease"]) as relay,
+    ):
         relay.run_once()

@@ -156,6 +156,7 @@ def _retry(
             relay_token=None,
             failure_fingerprint=None,
             failing_since=None,
+            failure_kind=None,
         )
 
     result = _change_failed_events(queryset, batch_size, retry, matching)

@@ -77,7 +77,13 @@ from django.utils import timezone
 
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
-from django_idempotency.core.failures import describe, failure_fingerprint, failure_traceback
+from django_idempotency.core.failures import (
+    FailureKind,
+    describe,
+    failure_fingerprint,
+    failure_kind,
+    failure_traceback,
+)
 from django_idempotency.db import (
     database_now,
     dialect,
@@ -86,7 +92,7 @@ from django_idempotency.db import (
     session_locks,
     to_datetime,
 )
-from django_idempotency.exceptions import BrokerUnavailable, OutboxError
+from django_idempotency.exceptions import OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox.publish import NOTIFY_CHANNEL
 from django_idempotency.publishers.base import OutboxMessage, Publisher
@@ -101,7 +107,14 @@ from django_idempotency.querysets import (
     lease_free_q,
 )
 
-__all__ = ["DatabaseClock", "Relay", "RelayStats", "SEND_SPAN", "backoff_delay"]
+__all__ = [
+    "DatabaseClock",
+    "REFUSED_ROUTE_SECONDS",
+    "Relay",
+    "RelayStats",
+    "SEND_SPAN",
+    "backoff_delay",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +131,11 @@ _HEAD_OF_OUTBOX = 1000
 _FIRST_POLL_SECONDS = 0.05
 #: Seconds between attempts when the database is unreachable (the poll may be far longer).
 _DATABASE_RETRY_SECONDS = 1.0
+#: After a route's broker refused it (a configuration error), the relay fails that route's
+#: retried events for this long without asking the broker again: however large the backlog
+#: that comes due, a relay presents wrong credentials at most once a minute. New events, and
+#: events an operator retried, are always tried.
+REFUSED_ROUTE_SECONDS = 60.0
 
 
 @dataclass(slots=True)
@@ -215,6 +233,8 @@ class Relay:
         self.share_keys = share_keys
         self.publishers = PublisherSet()
         self._publisher_names: dict[int, str] = {}
+        #: Routes whose broker refused them lately: until when, and the refusal.
+        self._refused: dict[Publisher, tuple[float, BaseException]] = {}
         #: A published batch whose outcomes the database could not take yet.
         self._unrecorded: _Outcomes | None = None
         self._next_look_for_gone_relays = 0.0
@@ -608,7 +628,8 @@ class Relay:
             for publisher, group in self._by_publisher(wave, outcomes):
                 for event in group:
                     self._publisher_names[event.pk] = type(publisher).__name__
-                for event, error in zip(group, self._send(publisher, group), strict=True):
+                results = self._send_unless_refused(publisher, group)
+                for event, error in zip(group, results, strict=True):
                     outcomes[event.pk] = error
                     if error is not None and event.key:
                         failed_keys.add(event.key)
@@ -627,6 +648,29 @@ class Relay:
                 continue
             groups.setdefault(id(publisher), (publisher, []))[1].append(event)
         yield from groups.values()
+
+    def _send_unless_refused(
+        self, publisher: Publisher, group: list[OutboxEvent]
+    ) -> list[BaseException | None]:
+        """Send the group, except that while the route's broker refuses it (a configuration
+        error within ``REFUSED_ROUTE_SECONDS``), events that failed before fail again with
+        that refusal, unsent. A refusal starts the window; a message accepted ends it."""
+        refused_until, refusal = self._refused.get(publisher, (0.0, None))
+        held = refusal is not None and time.monotonic() < refused_until
+        to_send = [event for event in group if not (held and event.attempts)]
+        sent = dict(
+            zip(
+                (event.pk for event in to_send),
+                self._send(publisher, to_send) if to_send else [],
+                strict=True,
+            )
+        )
+        for error in sent.values():
+            if error is None:
+                self._refused.pop(publisher, None)
+            elif failure_kind(error) == FailureKind.CONFIGURATION:
+                self._refused[publisher] = (time.monotonic() + REFUSED_ROUTE_SECONDS, error)
+        return [sent.get(event.pk, refusal) for event in group]
 
     @staticmethod
     def _send(publisher: Publisher, group: list[OutboxEvent]) -> list[BaseException | None]:
@@ -687,7 +731,7 @@ class Relay:
         backoff, or DEAD after the last attempt."""
         max_attempts = conf.OUTBOX_MAX_ATTEMPTS
         # A batch often shares one error (a broker outage): describe it once.
-        described: dict[int, tuple[str, str, str | None]] = {}
+        described: dict[int, tuple[str, str, str | None, FailureKind]] = {}
         failures = []
         for event, error in failed:
             if id(error) not in described:
@@ -695,15 +739,21 @@ class Relay:
                     _describe(error),
                     failure_fingerprint(error),
                     failure_traceback(error) or None,
+                    failure_kind(error),
                 )
-            last_error, fingerprint, traceback = described[id(error)]
+            last_error, fingerprint, traceback, kind = described[id(error)]
             attempts = event.attempts + 1
             status, next_attempt_at = event.status, event.next_attempt_at
-            # An unreachable broker says nothing about the event: however long the outage, the
-            # event waits for the broker (backoff capped) instead of dying.
-            if attempts >= max_attempts and not isinstance(error, BrokerUnavailable):
+            if kind == FailureKind.CONFIGURATION:
+                # Refused by the broker, or a route that is wrong: nothing the event did, and
+                # nothing a quick retry mends. It waits the backoff's ceiling every time, never
+                # dies of it, and goes out once a person fixed the route (or retried it).
+                next_attempt_at = now + timedelta(seconds=conf.OUTBOX_BACKOFF_MAX_SECONDS)
+            elif attempts >= max_attempts and kind != FailureKind.UNREACHABLE:
                 status = OutboxStatus.DEAD
             else:
+                # An unreachable broker says nothing about the event either: however long the
+                # outage, the event waits for the broker (backoff capped) instead of dying.
                 next_attempt_at = now + timedelta(seconds=backoff_delay(attempts, self.rng))
             changes = {
                 "status": status,
@@ -719,6 +769,7 @@ class Relay:
                 ),
                 "last_failed_at": now,
                 "failure_traceback": traceback,
+                "failure_kind": kind.value,
             }
             failures.append(_Failure(event, error, changes))
         return failures
@@ -817,6 +868,14 @@ class Relay:
                 stats.dead += 1
                 logger.error("outbox event is DEAD after %d attempts", event.attempts, extra=extra)
                 signals.event_dead.send(sender=OutboxEvent, event=event, error=error)
+            elif event.failure_kind == FailureKind.CONFIGURATION:
+                stats.failed += 1
+                logger.error(
+                    "outbox publish refused: a configuration error (the route or the broker); "
+                    "retrying every %g s",
+                    conf.OUTBOX_BACKOFF_MAX_SECONDS,
+                    extra=extra,
+                )
             else:
                 stats.failed += 1
                 logger.warning("outbox publish failed; will retry", extra=extra)
@@ -845,6 +904,7 @@ _SENT: dict[str, Any] = {
     "failure_fingerprint": None,
     "failing_since": None,
     "failure_traceback": None,
+    "failure_kind": None,
 }
 
 
@@ -1003,6 +1063,7 @@ def _log_extra(event: OutboxEvent, error: BaseException) -> dict[str, Any]:
         "outbox_topic": event.topic,
         "outbox_attempts": event.attempts,
         "outbox_error": _describe(error),
+        "outbox_failure_kind": failure_kind(error).value,
     }
 
 

@@ -3,6 +3,10 @@
 The whole batch is written, then the confirms are awaited together: one round trip per batch
 rather than per message. ``message_id`` is the event id, the routing key is the topic, messages
 are persistent, and ``mandatory`` makes an unroutable message a failure instead of a silent drop.
+
+The broker's refusals of the route (ACCESS_REFUSED: a login or a permission; NOT_FOUND: no such
+exchange; NOT_ALLOWED: no such virtual host; PRECONDITION_FAILED: the exchange exists with
+other arguments) are a ``BrokerConfigurationError``, apart from an unreachable broker.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from django_idempotency.exceptions import (
+    BrokerConfigurationError,
     BrokerUnavailable,
     IdempotencyConfigurationError,
     PublishError,
@@ -29,6 +34,18 @@ def _kombu() -> Any:
     import kombu
 
     return kombu
+
+
+def _refusals() -> tuple[type[Exception], ...]:
+    """py-amqp's errors for a broker that answered and refused the route."""
+    from amqp import exceptions
+
+    return (
+        exceptions.AccessRefused,
+        exceptions.NotFound,
+        exceptions.NotAllowed,
+        exceptions.PreconditionFailed,
+    )
 
 
 class Confirms:
@@ -165,11 +182,18 @@ class AMQPPublisher(Publisher):
 
     def publish_many(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
         errors = _kombu().Connection(self.url).connection_errors + (OSError,)
+        failure: PublishError
         try:
             if self._connection is None:
                 self._connect()
             sent = self._send(messages)
             self._await_confirms(sent)
+        except _refusals() as exc:
+            # The broker's reply text names the login mechanism, exchange or vhost, never a
+            # password. The channel (or connection) is closed: start over next batch.
+            self.close()
+            failure = BrokerConfigurationError(f"AMQP broker refused the route: {exc}")
+            return [failure] * len(messages)
         except errors as exc:
             self.close()
             failure = BrokerUnavailable(f"AMQP broker unreachable: {exc!r}")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 
-from django_idempotency.exceptions import BrokerUnavailable
+from django_idempotency.exceptions import BrokerConfigurationError, BrokerUnavailable
 from django_idempotency.tracing import TRACEPARENT
 
 __all__ = ["OutboxMessage", "Publisher", "to_json"]
@@ -90,13 +90,14 @@ class Publisher:
         """Publish in order; one result per message, ``None`` meaning the broker accepted it.
 
         :class:`BrokerUnavailable` fails the rest of the batch at once rather than waiting out
-        a timeout per message while the relay's lease runs down.
+        a timeout per message while the relay's lease runs down; so does
+        :class:`BrokerConfigurationError`, which the next message would only meet again.
         """
         results: list[BaseException | None] = []
         for index, message in enumerate(messages):
             try:
                 self.publish(message)
-            except BrokerUnavailable as exc:
+            except (BrokerUnavailable, BrokerConfigurationError) as exc:
                 results.extend([exc] * (len(messages) - index))
                 break
             except Exception as exc:

@@ -10,6 +10,11 @@ The whole batch is put in flight, then the stream's acks are awaited together: o
 per batch rather than per message. nats-py is asyncio and the relay is not, so each publisher
 runs its client on an event loop of its own, in a thread it owns; :meth:`NATSPublisher.close`
 stops both.
+
+A server that refuses the credentials or denies publishing to a subject, and a subject no stream
+captures, are a ``BrokerConfigurationError``, not an unreachable server. nats-py tells of the
+first two only through the error callback (and meanwhile keeps reconnecting, or lets the ack
+time out), so the publisher listens there.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from django_idempotency.exceptions import (
+    BrokerConfigurationError,
     BrokerUnavailable,
     IdempotencyConfigurationError,
     PublishError,
@@ -40,6 +47,17 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 DEFAULT_DUPLICATE_WINDOW = 120.0
 #: Seconds between reconnection attempts while the server is away.
 _RECONNECT_WAIT = 0.5
+#: JetStream's error codes for a route that cannot work as configured: stream not found, the
+#: subject's stream is not the expected one, JetStream not enabled (for the account).
+_CONFIGURATION_ERROR_CODES = frozenset({10059, 10060, 10039, 10076})
+#: How the server words a refusal of the connection's credentials (nats-py lowercases it).
+_REFUSED_CREDENTIALS = (
+    "authorization violation",
+    "authentication expired",
+    "authentication revoked",
+)
+_DENIED_PUBLISH = re.compile(r'permissions violation for publish to "?([^"\s]+)')
+_DENIED_SUBSCRIPTION = "permissions violation for subscription to"
 
 T = TypeVar("T")
 
@@ -150,8 +168,13 @@ class NATSPublisher(Publisher):
         self.connect_timeout = float(connect_timeout)
         self.connect_options = dict(connect_options or {})
         self._runner: _LoopThread | None = None
-        # Touched only on the runner's loop.
+        # Touched only on the runner's loop: the client; the server's refusal of its
+        # credentials, once one is heard while connecting; subjects the server denied this
+        # batch, and whether it denied the subscription the acks come back on.
         self._client: Any = None
+        self._refused: asyncio.Future[str] | None = None
+        self._denied: set[str] = set()
+        self._acks_denied = False
 
     def subject_for(self, topic: str) -> str:
         return self.subject.format(topic=topic)
@@ -188,21 +211,34 @@ class NATSPublisher(Publisher):
     # --- on the publisher's own loop ----------------------------------------------------------
 
     async def _publish_batch(self, messages: list[OutboxMessage]) -> list[BaseException | None]:
+        failure: PublishError
         try:
             client = await self._connected()
+        except BrokerConfigurationError as exc:
+            return [exc] * len(messages)
         except Exception as exc:
             failure = BrokerUnavailable(f"NATS server unreachable: {type(exc).__name__}")
             return [failure] * len(messages)
         if not client.is_connected:
-            # Reconnecting after the server went away: waiting out the acks would only spend
-            # the relay's lease. The client keeps reconnecting in the background.
-            failure = BrokerUnavailable("NATS server unreachable: the client is reconnecting")
+            # Reconnecting after the server went away (or after it refused the credentials it
+            # took before): waiting out the acks would only spend the relay's lease. The client
+            # keeps reconnecting in the background.
+            refusal = _refusal(client.last_error)
+            if refusal is not None:
+                failure = BrokerConfigurationError(f"NATS server {refusal}")
+            else:
+                failure = BrokerUnavailable("NATS server unreachable: the client is reconnecting")
             return [failure] * len(messages)
+        self._denied.clear()
+        self._acks_denied = False
         jetstream = client.jetstream(timeout=self.ack_timeout)
         # Every message goes on the wire before any ack is awaited: one round trip per batch.
         sends = [self._send(jetstream, message) for message in messages]
         outcomes = await asyncio.gather(*sends, return_exceptions=True)
-        return [self._outcome(outcome, client) for outcome in outcomes]
+        return [
+            self._outcome(outcome, client, self.subject_for(message.topic))
+            for outcome, message in zip(outcomes, messages, strict=True)
+        ]
 
     async def _send(self, jetstream: Any, message: OutboxMessage) -> Any:
         subject = self.subject_for(message.topic)
@@ -233,7 +269,7 @@ class NATSPublisher(Publisher):
                 raise PublishError(f"message header {name!r} holds a line break")
         return headers
 
-    def _outcome(self, outcome: Any, client: Any) -> BaseException | None:
+    def _outcome(self, outcome: Any, client: Any, subject: str) -> BaseException | None:
         nats = _nats()
         if not isinstance(outcome, BaseException):
             if outcome.duplicate:
@@ -243,12 +279,32 @@ class NATSPublisher(Publisher):
         if isinstance(outcome, PublishError):
             return outcome
         if isinstance(outcome, nats.js.errors.NoStreamResponseError):
-            return PublishError("no JetStream stream captures this subject")
+            return BrokerConfigurationError(
+                f"no JetStream stream captures subject {subject!r}: create one, or change the "
+                "route's 'subject'"
+            )
         if isinstance(outcome, nats.js.errors.APIError):
-            return PublishError(
+            refused = (
+                BrokerConfigurationError
+                if outcome.err_code in _CONFIGURATION_ERROR_CODES
+                else PublishError
+            )
+            return refused(
                 f"JetStream refused the message: {outcome.description} "
                 f"(code {outcome.code}, error {outcome.err_code})"
             )
+        if isinstance(outcome, nats.errors.TimeoutError | asyncio.TimeoutError):
+            # The server drops a message it denies and says so only to the error callback, in
+            # words nats-py lowercases.
+            if subject.lower() in self._denied:
+                return BrokerConfigurationError(
+                    f"NATS server denied publishing to {subject!r} (permissions violation)"
+                )
+            if self._acks_denied:
+                return BrokerConfigurationError(
+                    "NATS server denied the subscription the stream's acks come back on "
+                    "(permissions violation): allow subscribing to the reply subjects (_INBOX.>)"
+                )
         if isinstance(outcome, nats.errors.ConnectionClosedError) or not client.is_connected:
             return BrokerUnavailable(f"NATS server unreachable: {type(outcome).__name__}")
         if isinstance(outcome, nats.errors.TimeoutError | asyncio.TimeoutError):
@@ -265,13 +321,29 @@ class NATSPublisher(Publisher):
             # A relay lives long: once connected, keep reconnecting for as long as it runs.
             "max_reconnect_attempts": -1,
             "reconnect_time_wait": _RECONNECT_WAIT,
-            "error_cb": _log_error,
             **self.connect_options,
+            "error_cb": self._on_error,
         }
+        self._refused = asyncio.get_running_loop().create_future()
+        connecting = asyncio.ensure_future(client.connect(**options))
         try:
-            # nats-py counts reconnect attempts for the first connection too; bound it here.
-            await asyncio.wait_for(client.connect(**options), self.connect_timeout)
+            # nats-py counts reconnect attempts for the first connection too, and reports a
+            # refusal of the credentials only to the error callback: stop at the first one, or
+            # at the timeout.
+            await asyncio.wait(
+                {connecting, self._refused},
+                timeout=self.connect_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if not connecting.done() and self._refused.done():
+                raise BrokerConfigurationError(f"NATS server {self._refused.result()}")
+            if not connecting.done():
+                raise TimeoutError
+            connecting.result()
         except BaseException:
+            connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await connecting
             with contextlib.suppress(Exception):
                 await client.close()
             raise
@@ -302,12 +374,36 @@ class NATSPublisher(Publisher):
                 self.duplicate_window,
             )
 
+    async def _on_error(self, exc: Exception) -> None:
+        """nats-py's error callback: notes refusals, logs the type only (messages may name a
+        server URL), then calls the route's own ``error_cb``, if it has one."""
+        refusal = _refusal(exc)
+        if refusal is not None and self._refused is not None and not self._refused.done():
+            self._refused.set_result(refusal)
+        text = str(exc).lower()
+        if denied := _DENIED_PUBLISH.search(text):
+            self._denied.add(denied.group(1))
+        elif _DENIED_SUBSCRIPTION in text:
+            self._acks_denied = True
+        logger.warning("NATS client error: %s", type(exc).__name__)
+        callback = self.connect_options.get("error_cb")
+        if callback is not None:
+            await callback(exc)
+
     async def _disconnect(self) -> None:
         client, self._client = self._client, None
         if client is not None and not client.is_closed:
             await client.close()
 
 
-async def _log_error(exc: Exception) -> None:
-    """nats-py's error callback: the type only, since messages may name a server URL."""
-    logger.warning("NATS client error: %s", type(exc).__name__)
+def _refusal(error: BaseException | None) -> str | None:
+    """How the server refused the connection's credentials, if ``error`` says it did."""
+    if error is None:
+        return None
+    if isinstance(error, _nats().errors.AuthorizationError):
+        return "refused the credentials (authorization violation)"
+    text = str(error).lower()
+    for words in _REFUSED_CREDENTIALS:
+        if words in text:
+            return f"refused the credentials ({words})"
+    return None

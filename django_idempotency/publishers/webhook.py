@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from django_idempotency.exceptions import (
+    BrokerConfigurationError,
     BrokerUnavailable,
     IdempotencyConfigurationError,
     PublishError,
@@ -28,6 +29,7 @@ from django_idempotency.publishers.base import OutboxMessage, Publisher, to_json
 
 __all__ = [
     "MASK",
+    "MAX_SIGNATURE_LENGTH",
     "SECRET_SEGMENT_LENGTH",
     "SIGNATURE_HEADER",
     "WebhookPublisher",
@@ -43,7 +45,14 @@ SIGNATURE_HEADER = "Webhook-Signature"
 MASK = "***"
 #: A path segment this long is masked unless it reads as plain words (:func:`redact_url`).
 SECRET_SEGMENT_LENGTH = 16
+#: Answers that refuse the route, not the event: a configuration error (not authenticated, not
+#: authorised, not authenticated to a proxy).
+_REFUSED = frozenset({401, 403, 407})
 _PLAIN_WORDS = re.compile(r"[a-z]{1,15}(?:[-_.][a-z]{1,15})*")
+#: Longer signature headers are refused unread; the ones :func:`sign` makes have about 80.
+MAX_SIGNATURE_LENGTH = 256
+#: The parts of a signature header and what each must be: ASCII digits, lowercase hex.
+_SIGNATURE_PARTS = {"t": re.compile(r"[0-9]{1,15}"), "v1": re.compile(r"[0-9a-f]{64}")}
 
 
 def sign(secret: str | bytes, timestamp: int, body: bytes) -> str:
@@ -54,21 +63,34 @@ def sign(secret: str | bytes, timestamp: int, body: bytes) -> str:
 def verify_signature(
     secret: str | bytes,
     body: bytes,
-    header: str,
+    header: str | None,
     *,
     tolerance: float = 300,
     now: float | None = None,
 ) -> bool:
-    """True if ``header`` signs ``body`` with ``secret`` and is at most ``tolerance`` s old."""
-    fields = dict(part.split("=", 1) for part in header.split(",") if "=" in part)
-    try:
-        timestamp = int(fields["t"])
-    except (KeyError, ValueError):
+    """True if ``header`` signs ``body`` with ``secret`` and is at most ``tolerance`` s old.
+
+    Every other header is False, never an exception, so a receiver answers all bad signatures
+    alike: a missing one (None), one longer than ``MAX_SIGNATURE_LENGTH``, one with a character
+    outside its ASCII alphabet (a WSGI server decodes header bytes as latin-1), and one that is
+    not exactly one ``t=<digits>`` and one ``v1=<64 hex digits>``, comma-separated.
+    """
+    if not isinstance(header, str) or len(header) > MAX_SIGNATURE_LENGTH:
         return False
+    fields: dict[str, str] = {}
+    for part in header.split(","):
+        name, equals, value = part.partition("=")
+        pattern = _SIGNATURE_PARTS.get(name)
+        if not equals or pattern is None or name in fields or not pattern.fullmatch(value):
+            return False
+        fields[name] = value
+    if fields.keys() != _SIGNATURE_PARTS.keys():
+        return False
+    timestamp = int(fields["t"])
     current = time.time() if now is None else now
     if abs(current - timestamp) > tolerance:
         return False
-    return hmac.compare_digest(sign(secret, timestamp, body), fields.get("v1", ""))
+    return hmac.compare_digest(sign(secret, timestamp, body), fields["v1"])
 
 
 def redact_url(url: str, *, secret_segments: Collection[int] = ()) -> str:
@@ -144,7 +166,7 @@ class WebhookPublisher(Publisher):
     """``OPTIONS``: ``url`` and ``secret`` (required), ``timeout`` (10 s), ``headers`` (extra
     request headers), ``signature_header`` ("Webhook-Signature"), ``secret_path_segments``
     (positions of path segments to mask in errors, beside those that look secret). Any 2xx
-    answer is success.
+    answer is success; 401, 403 and 407 are a ``BrokerConfigurationError``.
 
     The client is given the redacted URL, so nothing httpx logs or raises can hold a credential:
     the userinfo goes as Basic auth and the real path and query as the request's ``target``.
@@ -210,6 +232,11 @@ class WebhookPublisher(Publisher):
         except httpx.HTTPError as exc:
             reason = f"{type(exc).__name__}{_os_reason(exc)}"
             raise PublishError(f"webhook {self.shown_url} failed: {reason}") from exc
+        if response.status_code in _REFUSED:
+            raise BrokerConfigurationError(
+                f"webhook {self.shown_url} answered {response.status_code}: the receiver "
+                "refused the route's credentials or signature; check its url and secret"
+            )
         if not response.is_success:
             raise PublishError(f"webhook {self.shown_url} answered {response.status_code}")
 
