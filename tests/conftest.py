@@ -57,18 +57,9 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 @pytest.fixture(scope="session")
-def django_db_modify_db_settings_xdist_suffix(request: pytest.FixtureRequest) -> None:
-    """Each xdist worker its own test databases, as pytest-django gives them, except SQLite's
-    files: those are per worker already (``tests/settings.py``), under the very name the
-    server processes a test starts are told."""
-    worker = getattr(request.config, "workerinput", {}).get("workerid")
-    if not worker:
-        return
-    for database in settings.DATABASES.values():
-        if database["ENGINE"] == "django.db.backends.sqlite3":
-            continue
-        test = database.setdefault("TEST", {})
-        test["NAME"] = f"{test.get('NAME') or 'test_' + database['NAME']}_{worker}"
+def django_db_modify_db_settings_xdist_suffix() -> None:
+    """Each xdist worker has its own databases already (``tests/settings.py`` names them), under
+    the very names the processes a test starts are told: pytest-django's suffix would differ."""
 
 
 def require_service(name: str) -> str:

@@ -52,6 +52,10 @@ def _database() -> dict[str, Any]:
     # Server processes started by a test connect to the test database, not the base one.
     if os.environ.get("TEST_DATABASE_NAME"):
         config["NAME"] = os.environ["TEST_DATABASE_NAME"]
+    elif _WORKER and TEST_DATABASE != "sqlite":
+        # Each xdist worker its own databases, named here rather than by pytest-django, so that
+        # every name derived from this one (the records' database) carries the worker too.
+        config["NAME"] = f"{config['NAME']}_{_WORKER}"
     return config
 
 
