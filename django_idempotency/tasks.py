@@ -168,8 +168,10 @@ class _RelayKicker:
                     relay_outbox.apply_async(  # type: ignore[attr-defined]
                         retry=False, expires=max(conf.OUTBOX_RELAY_LEASE_SECONDS, 60)
                     )
-            except Exception:
-                logger.warning("outbox relay kick failed", exc_info=True)
+            except Exception as exc:
+                from django_idempotency.outbox.publish import log_kick_failure
+
+                log_kick_failure(logger, exc)
 
 
 def _relay_here(using: str) -> None:
