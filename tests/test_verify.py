@@ -18,6 +18,7 @@ from django_idempotency.operations import verify as verifying
 from django_idempotency.operations.verify import PLAN, Result, VerifyOptions, verify
 from django_idempotency.request import cache, store
 from tests.servers import ROOT, gunicorn
+from tests.slow import THIS_PASS
 from tests.testapp.models import Widget
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "records"])
@@ -271,3 +272,28 @@ def test_the_outbox_check_can_go_through_a_configured_route() -> None:
     assert result.passed is True, result.evidence
     assert "on 'orders.verified'" in result.evidence and "lost: 0" in result.evidence
     nothing_left_behind()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not THIS_PASS, reason="runs once per run, on its own SQLite file")
+def test_the_demo_runs_it_with_a_table_and_nothing_on_stderr(tmp_path: Any) -> None:
+    """The demo logs the app at INFO to the console, as a project that wants to see its events
+    does: the checks' own conflicts and takeovers must not print bare lines around the table."""
+    env = {
+        **{name: value for name, value in os.environ.items() if not name.startswith("DJANGO_")},
+        "DJANGO_SETTINGS_MODULE": "demo_project.settings",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'demo.sqlite3'}",
+    }
+    manage = [sys.executable, "manage.py"]
+    subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True, timeout=300)
+    verified = subprocess.run(
+        [*manage, "idempotency_verify"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "Every check passed." in verified.stdout
+    assert verified.stderr == ""
