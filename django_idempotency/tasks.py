@@ -64,21 +64,21 @@ def relay_outbox(batch_size: int | None = None, max_batches: int = 50) -> dict[s
 
 
 @_task
-def sweep_idempotency_records(batch_size: int | None = None) -> int:
+def sweep_idempotency_records(batch_size: int | None = None) -> int | None:
     from django_idempotency.operations.sweeps import sweep_expired_records
 
     return sweep_expired_records(batch_size=batch_size)
 
 
 @_task
-def sweep_outbox_events(batch_size: int | None = None) -> int:
+def sweep_outbox_events(batch_size: int | None = None) -> int | None:
     from django_idempotency.operations.sweeps import sweep_published_events
 
     return sweep_published_events(batch_size=batch_size)
 
 
 @_task
-def sweep_processed_messages(batch_size: int | None = None) -> int:
+def sweep_processed_messages(batch_size: int | None = None) -> int | None:
     from django_idempotency.operations.sweeps import sweep_processed_messages as sweep
 
     return sweep(batch_size=batch_size)
