@@ -50,7 +50,13 @@ except ImportError:  # pragma: no cover - exercised only without Celery installe
 def _task(func: F) -> F:
     if _shared_task is None:  # pragma: no cover
         return func
-    task: F = _shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=False)(func)
+    task: F = _shared_task(
+        acks_late=True,
+        reject_on_worker_lost=True,
+        ignore_result=False,
+        # Loaded by the worker only: logs what became of a task whose pool process died.
+        Request="django_idempotency.operations.worker:LostWorkerRequest",
+    )(func)
     return task
 
 
