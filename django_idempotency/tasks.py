@@ -257,8 +257,10 @@ def install_periodic_tasks(*, reset: bool = False, dry_run: bool = False) -> dic
     An entry missing from the database is created; one already there is kept as it is (its
     interval or expiry changed in the admin, disabled), unless ``reset`` puts the shipped task,
     arguments, interval and expiry back and enables it (its queue and routing stay as they
-    are). Returns ``{entry name: "created" | "kept" | "reset"}``: what was done, or with
-    ``dry_run`` what would be. Needs django-celery-beat in ``INSTALLED_APPS``.
+    are). Each entry gets an interval row of its own: django-celery-beat's rows are shared by
+    every task that points at one, so six hourly entries on one row would all change when an
+    operator edits it for one. Returns ``{entry name: "created" | "kept" | "reset"}``: what was
+    done, or with ``dry_run`` what would be. Needs django-celery-beat in ``INSTALLED_APPS``.
     """
     from django.db import router, transaction
     from django_celery_beat.models import (  # type: ignore[import-untyped]
@@ -275,14 +277,20 @@ def install_periodic_tasks(*, reset: bool = False, dry_run: bool = False) -> dic
             if dry_run or outcomes[name] == "kept":
                 continue
             every = int(entry["schedule"])
-            interval = (
-                IntervalSchedule.objects.using(using)
-                .filter(every=every, period=IntervalSchedule.SECONDS)
-                .order_by("pk")
-                .first()
-            ) or IntervalSchedule.objects.using(using).create(
-                every=every, period=IntervalSchedule.SECONDS
-            )
+            current = PeriodicTask.objects.using(using).filter(name=name).first()
+            interval: Any = current.interval if current is not None else None
+            if interval is not None and not (
+                PeriodicTask.objects.using(using)
+                .filter(interval=interval)
+                .exclude(name=name)
+                .exists()
+            ):
+                interval.every, interval.period = every, IntervalSchedule.SECONDS
+                interval.save(using=using)
+            else:
+                interval = IntervalSchedule.objects.using(using).create(
+                    every=every, period=IntervalSchedule.SECONDS
+                )
             # save(), not a queryset update: it bumps the change marker a running beat polls.
             PeriodicTask.objects.using(using).update_or_create(
                 name=name,

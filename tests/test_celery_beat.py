@@ -428,3 +428,37 @@ def test_with_the_database_scheduler_the_setting_overwrites_the_admin_at_every_s
     assert shell(shipped, READ_THE_ENTRY) == "10 seconds None"
     warned = manage(shipped, "idempotency_periodic_tasks", "--dry-run").stderr
     assert "CELERY_BEAT_SCHEDULE also lists" in warned and RELAY_ENTRY in warned
+
+
+INTERVALS = """
+from django_celery_beat.models import PeriodicTask
+tasks = PeriodicTask.objects.filter(name__startswith="django-idempotency-").order_by("name")
+print(len({task.interval_id for task in tasks}), sorted({task.interval.every for task in tasks}))
+"""
+EDIT_ONE_INTERVAL = """
+from django_celery_beat.models import PeriodicTask
+interval = PeriodicTask.objects.get(name="django-idempotency-sweep-records").interval
+interval.every = 300
+interval.save()
+print(PeriodicTask.objects.get(name="django-idempotency-sweep-outbox").interval.every)
+"""
+SHARE_ONE_INTERVAL = """
+from django_celery_beat.models import PeriodicTask
+tasks = PeriodicTask.objects.filter(name__startswith="django-idempotency-")
+shared = tasks.exclude(name="django-idempotency-relay-outbox").first().interval
+for task in tasks.exclude(name="django-idempotency-relay-outbox"):
+    task.interval = shared
+    task.save()
+"""
+
+
+def test_each_periodic_task_gets_an_interval_of_its_own(beat_project: dict[str, str]) -> None:
+    """Editing the interval row of one entry (the admin's "Intervals") changes that entry only;
+    ``--reset`` gives entries that an older install left sharing a row one each."""
+    manage(beat_project, "idempotency_periodic_tasks")
+    assert shell(beat_project, INTERVALS) == f"{len(BEAT_SCHEDULE)} [10, 3600]"
+    assert shell(beat_project, EDIT_ONE_INTERVAL) == "3600"
+    shell(beat_project, SHARE_ONE_INTERVAL)
+    assert shell(beat_project, INTERVALS) == "2 [10, 300]"
+    manage(beat_project, "idempotency_periodic_tasks", "--reset")
+    assert shell(beat_project, INTERVALS) == f"{len(BEAT_SCHEDULE)} [10, 3600]"
