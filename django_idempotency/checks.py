@@ -1605,7 +1605,8 @@ FAST_PATH_CHECKS: tuple[Check, ...] = (
         _not_django_redis,
         "CACHES[{alias!r}] (IDEMPOTENCY['CACHE_ALIAS']) uses {backend!r}; the fast path needs "
         f"{_DJANGO_REDIS_BACKEND!r}.",
-        "pip install 'django-idempotency[redis]' and set that BACKEND.",
+        "Install the 'redis' extra (pip install -e '/path/to/django-idempotency[redis]' from "
+        "a checkout, see docs/installation.md) and set that BACKEND.",
         tags=(Tags.caches,),
     ),
     Check(
@@ -1626,13 +1627,15 @@ OPERATIONS_CHECKS: tuple[Check, ...] = (
         _on_without_package("METRICS", "prometheus_client"),
         "IDEMPOTENCY['METRICS'] is True but prometheus_client is not installed, so it has no "
         "effect.",
-        "pip install 'django-idempotency[metrics]', or remove the setting.",
+        "Install the 'metrics' extra (pip install -e '/path/to/django-idempotency[metrics]' from "
+        "a checkout, see docs/installation.md), or remove the setting.",
     ),
     Check(
         W061,
         _on_without_package("TRACING", "opentelemetry.trace"),
         "IDEMPOTENCY['TRACING'] is True but opentelemetry is not installed, so it has no effect.",
-        "pip install 'django-idempotency[otel]', or remove the setting.",
+        "Install the 'otel' extra (pip install -e '/path/to/django-idempotency[otel]' from "
+        "a checkout, see docs/installation.md), or remove the setting.",
     ),
 )
 

@@ -1,12 +1,15 @@
 """Celery tasks: thin wrappers over the plain functions the management commands call too.
 
 Every task is ``acks_late`` and ``reject_on_worker_lost``: a worker that dies mid-task, or a
-prefork pool process killed under it, leaves the message to be delivered again. That is safe
-because every task is safe to run again and concurrently with itself: relays coordinate through
-leases, sweeps delete in batches that each re-check their condition, so a sweep killed half-way
-and run again finishes the job. The module imports without Celery; the functions then stay
-plain functions, and the default ``OUTBOX_KICK`` (:func:`kick_relay`) relays in a thread of the
-process instead of queueing a task.
+prefork pool process killed under it, leaves the message to be delivered again, as long as it
+has not expired (a :data:`BEAT_SCHEDULE` entry's message expires before the entry's next run,
+which then does the work); the worker logs which task it lost and what became of its message
+(``operations/worker.py``). Running again is safe because every task is safe to run again and
+concurrently with itself: relays coordinate through leases, sweeps delete in batches that each
+re-check their condition, so a sweep killed half-way and run again finishes the job, and a sweep
+that starts while another still runs skips its turn. The module imports without Celery; the
+functions then stay plain functions, and the default ``OUTBOX_KICK`` (:func:`kick_relay`) relays
+in a thread of the process instead of queueing a task.
 
 Merge :data:`BEAT_SCHEDULE` into ``CELERY_BEAT_SCHEDULE`` for Celery's own scheduler. With
 django-celery-beat's ``DatabaseScheduler`` call :func:`install_periodic_tasks` instead (the
@@ -62,7 +65,8 @@ def _task(func: F) -> F:
 
 @_task
 def relay_outbox(batch_size: int | None = None, max_batches: int = 50) -> dict[str, int]:
-    """Publish due outbox events until none are left (or ``max_batches``)."""
+    """Publish due outbox events until none are left (or ``max_batches``); returns the pass's
+    :class:`~django_idempotency.outbox.relay.RelayStats` as a dict."""
     from django_idempotency.outbox.relay import Relay
 
     with Relay(batch_size=batch_size) as relay:
@@ -209,9 +213,10 @@ def kick_relay(using: str) -> None:
     _kicker.kick(using)
 
 
-#: Ready to merge: ``CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE, ...}``. Seconds between runs; each
-#: message expires before the next run is sent, so a stopped worker finds at most one waiting per
-#: entry (the broker drops the others) instead of a backlog to run back to back.
+#: Ready to merge: ``CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE, ...}``. Each entry has its own
+#: interval (seconds) and its own expiry, below the interval, so a stopped worker finds at most
+#: one message waiting per entry (the broker drops the others) instead of a backlog to run back
+#: to back. Override an entry's interval and expiry together (``docs/tasks.md``).
 BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     "django-idempotency-relay-outbox": {
         "task": "django_idempotency.tasks.relay_outbox",
