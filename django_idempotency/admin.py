@@ -31,8 +31,9 @@ from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
-from django.utils.html import format_html
-from django.utils.safestring import SafeString
+from django.utils.formats import date_format
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString, mark_safe
 from django.utils.text import Truncator, capfirst
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
@@ -335,11 +336,19 @@ class ExpiredFilter(admin.SimpleListFilter):
         return None
 
 
+def to_the_second(moment: datetime | None) -> str:
+    """A moment with its seconds, in the current time zone: leases run for seconds, and the
+    admin's own format (``DATETIME_FORMAT``) stops at the minute."""
+    if moment is None:
+        return "-"
+    return date_format(timezone.localtime(moment), "N j, Y, H:i:s T")
+
+
 class IdempotencyRecordAdmin(OperationsAdmin):
     # Few columns, each one wrapping, so that the list fits a laptop's screen beside the
     # navigation and the filters: the state says completed (with the status replayed),
     # processing or stuck; the request is the method and the path.
-    list_display = ("key_display", "scope", "state", "request_display", "age", "lease_left")
+    list_display = ("key_display", "scope_display", "state", "request_display", "age", "lease_left")
     list_filter = (
         "status",
         StuckFilter,
@@ -347,7 +356,7 @@ class IdempotencyRecordAdmin(OperationsAdmin):
         ("created_at", admin.DateFieldListFilter),
     )
     # Sorting any other column sorts millions of rows; these have an index or are cheap enough.
-    sortable_by = ("scope", "age", "lease_left")
+    sortable_by = ("scope_display", "age", "lease_left")
     search_fields = ("key", "scope")
     search_help_text = _("An exact key or scope (keys are case-sensitive).")
     ordering = ("-pk",)
@@ -355,7 +364,7 @@ class IdempotencyRecordAdmin(OperationsAdmin):
     fieldsets = (
         (None, {"fields": ("scope", "key", "status", "stuck", "attempts")}),
         (_("Request"), {"fields": ("method", "path", "fingerprint")}),
-        (_("Lease"), {"fields": ("owner_token", "lease_expires_at", "lease_left")}),
+        (_("Lease"), {"fields": ("owner_token", "lease_expires", "lease_left")}),
         (
             _("Stored response"),
             {"fields": ("response_status", "headers_display", "body_display")},
@@ -364,7 +373,7 @@ class IdempotencyRecordAdmin(OperationsAdmin):
     )
     readonly_fields = (
         *("scope", "key", "status", "stuck", "attempts", "method", "path", "fingerprint"),
-        *("owner_token", "lease_expires_at", "lease_left", "response_status", "headers_display"),
+        *("owner_token", "lease_expires", "lease_left", "response_status", "headers_display"),
         *("body_display", "created_at", "completed_at", "expires_at", "age"),
     )
 
@@ -441,6 +450,13 @@ class IdempotencyRecordAdmin(OperationsAdmin):
     def key_display(self, record: IdempotencyRecord) -> str:
         return Truncator(record.key).chars(40)
 
+    @admin.display(description=_("scope"), ordering="scope")
+    def scope_display(self, record: IdempotencyRecord) -> SafeString:
+        """The scope, which may wrap after each ``:`` (``credentials:`` and its digest) but
+        never inside a word: ``anonymous`` or ``user:17`` stay whole however narrow the list."""
+        parts = record.scope.split(":")
+        return format_html_join(mark_safe(":<wbr>"), "{}", ((part,) for part in parts))
+
     @admin.display(description=_("request"))
     def request_display(self, record: IdempotencyRecord) -> str:
         return f"{record.method} {Truncator(record.path).chars(60)}"
@@ -458,6 +474,10 @@ class IdempotencyRecordAdmin(OperationsAdmin):
     @admin.display(description=_("age"), ordering="created_at")
     def age(self, record: IdempotencyRecord) -> str:
         return health.elapsed(record.created_at, self.judged_at(record))
+
+    @admin.display(description=_("lease expires at"), ordering="lease_expires_at")
+    def lease_expires(self, record: IdempotencyRecord) -> str:
+        return to_the_second(record.lease_expires_at)
 
     @admin.display(description=_("lease left"), ordering="lease_expires_at")
     def lease_left(self, record: IdempotencyRecord) -> str:
@@ -778,7 +798,7 @@ class OutboxEventAdmin(OperationsAdmin):
         (_("Message"), {"fields": ("payload_display", "headers_display", "traceparent")}),
         (
             _("Relay"),
-            {"fields": ("next_attempt", "next_attempt_at", "locked_until", "relay_token")},
+            {"fields": ("next_attempt", "next_attempt_time", "lease_until", "relay_token")},
         ),
         # transaction_id is an internal ordering column (0 on most databases): not shown.
         (_("Dates"), {"fields": ("created_at", "published_at", "age")}),
@@ -786,7 +806,7 @@ class OutboxEventAdmin(OperationsAdmin):
     readonly_fields = (
         *("event_id", "topic", "key", "status", "attempts", "last_error_display"),
         *("payload_display", "headers_display", "traceparent", "next_attempt"),
-        *("next_attempt_at", "locked_until", "relay_token", "created_at", "published_at"),
+        *("next_attempt_time", "lease_until", "relay_token", "created_at", "published_at"),
         *("age", "failure_group_display", "failing_since", "last_failed_at", "traceback_display"),
         "failure_kind",
     )
@@ -847,6 +867,14 @@ class OutboxEventAdmin(OperationsAdmin):
     @admin.display(description=_("age"), ordering="pk")  # pk order is creation order, indexed
     def age(self, event: OutboxEvent) -> str:
         return health.elapsed(event.created_at, timezone.now())
+
+    @admin.display(description=_("next attempt at"))
+    def next_attempt_time(self, event: OutboxEvent) -> str:
+        return to_the_second(event.next_attempt_at)
+
+    @admin.display(description=_("relay lease until"))
+    def lease_until(self, event: OutboxEvent) -> str:
+        return to_the_second(event.locked_until)
 
     @admin.display(description=_("next attempt"))
     def next_attempt(self, event: OutboxEvent) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -42,6 +43,7 @@ __all__ = [
     "BY_ID",
     "CHECKS",
     "Check",
+    "DEPLOY_CHECKS",
     "Context",
     "E001",
     "E002",
@@ -80,12 +82,14 @@ __all__ = [
     "E081",
     "E082",
     "E083",
+    "E084",
     "FAST_PATH_CHECKS",
     "Finding",
     "MIDDLEWARE",
     "OPERATIONS_CHECKS",
     "OUTBOX_CHECKS",
     "PROJECT_CHECKS",
+    "RETRY_WINDOW_SECONDS",
     "SETTINGS_CHECKS",
     "STORAGE_CHECKS",
     "W001",
@@ -95,6 +99,9 @@ __all__ = [
     "W005",
     "W006",
     "W007",
+    "W008",
+    "W009",
+    "W010",
     "W020",
     "W021",
     "W022",
@@ -102,10 +109,13 @@ __all__ = [
     "W024",
     "W025",
     "W026",
-    "W008",
+    "W011",
+    "W027",
     "W040",
+    "W041",
     "W060",
     "W061",
+    "W062",
     "W080",
     "W081",
     "check_settings",
@@ -140,7 +150,10 @@ W004 = "django_idempotency.W004"  # middleware placed before AuthenticationMiddl
 W005 = "django_idempotency.W005"  # IdempotencyRecord routed to a database other than "default"
 W006 = "django_idempotency.W006"  # USE_TZ = False
 W007 = "django_idempotency.W007"  # middleware paths behind DRF token/JWT/Basic authentication
-W008 = "django_idempotency.W008"  # one scope's waiting duplicates could hold every server thread
+W008 = "django_idempotency.W008"  # deploy: guarded views share the anonymous scope
+W009 = "django_idempotency.W009"  # deploy: session features behind a transaction-mode pooler
+W010 = "django_idempotency.W010"  # deploy: TTL_SECONDS shorter than clients retry (a day)
+W011 = "django_idempotency.W011"  # one scope's waiting duplicates could hold every server thread
 # Layers 2 and 3: outbox, consumers, sweeps
 E020 = "django_idempotency.E020"  # OUTBOX_PUBLISHERS not a dict of pattern -> publisher spec
 E021 = "django_idempotency.E021"  # a publisher backend does not import or is not a Publisher
@@ -158,6 +171,7 @@ W023 = "django_idempotency.W023"  # an idempotent consumer task without reject_o
 W024 = "django_idempotency.W024"  # OUTBOX_PUBLISHERS has no catch-all ("*") route
 W025 = "django_idempotency.W025"  # the default OUTBOX_KICK without Celery relays in-process
 W026 = "django_idempotency.W026"  # a NATS duplicate window shorter than the retry horizon
+W027 = "django_idempotency.W027"  # deploy: the outbox's Celery broker is Redis without timeouts
 # Fast paths: the Redis copy, and answers kept in memory
 E040 = "django_idempotency.E040"  # CACHE_ALIAS is not None or a configured cache alias
 E041 = "django_idempotency.E041"  # CACHE_ALIAS names a cache that is not django-redis
@@ -165,15 +179,18 @@ E042 = "django_idempotency.E042"  # CACHE_RETRY_SECONDS is not a number >= 0
 E043 = "django_idempotency.E043"  # LOCAL_REPLAY_SECONDS is not a number >= 0
 E044 = "django_idempotency.E044"  # LOCAL_REPLAY_ENTRIES is not a positive integer
 W040 = "django_idempotency.W040"  # the CACHE_ALIAS cache has no socket timeouts
+W041 = "django_idempotency.W041"  # deploy: LOCAL_REPLAY_SECONDS on, and several processes run
 # Operations
 E060 = "django_idempotency.E060"  # REGISTER_ADMIN, METRICS or TRACING is not a boolean
 W060 = "django_idempotency.W060"  # METRICS set to True but prometheus_client is not installed
 W061 = "django_idempotency.W061"  # TRACING set to True but opentelemetry-api is not installed
+W062 = "django_idempotency.W062"  # deploy: the sweeps are not scheduled (or have not run)
 # Storage at scale: the partitioned records, outbox and inbox tables (E082-W081: any of them)
 E080 = "django_idempotency.E080"  # RECORD_/OUTBOX_/INBOX_PARTITIONS is not a boolean
 E081 = "django_idempotency.E081"  # PARTITION_SPAN_DAYS or PARTITION_AHEAD_DAYS not a positive int
 E082 = "django_idempotency.E082"  # RECORD_PARTITIONS on, the records database is not PostgreSQL
 E083 = "django_idempotency.E083"  # the records table is partitioned, RECORD_PARTITIONS is off
+E084 = "django_idempotency.E084"  # the app's tables are missing or its migrations unapplied
 W080 = "django_idempotency.W080"  # RECORD_PARTITIONS on, the records table is still plain
 W081 = "django_idempotency.W081"  # the next partition of the records table does not exist yet
 
@@ -186,6 +203,7 @@ _DEFAULT_RESOLVERS = frozenset({DEFAULTS["SCOPE_RESOLVER"], "django_idempotency.
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 #: Redis and SQS redeliver an unacknowledged message after this long (their default).
 _DEFAULT_VISIBILITY_TIMEOUT = 3600
+_APP_LABEL = "django_idempotency"
 
 Finding = Mapping[str, Any]
 
@@ -222,6 +240,8 @@ class Check:
     tags: tuple[str, ...] = (Tags.compatibility,)
     #: False for checks that do not read ``IDEMPOTENCY``; the others wait for E001 to pass.
     reads_settings: bool = True
+    #: Run only by ``check --deploy``: what is fine on a laptop and wrong in production.
+    deploy: bool = False
 
     def __call__(
         self,
@@ -936,6 +956,354 @@ def _next_partition_missing(c: Context) -> Iterator[Finding]:
             }
 
 
+# --- conditions: going to production (``check --deploy``) --------------------------------------
+
+#: A day: how long payment clients and gateways commonly retry, and the default TTL_SECONDS.
+RETRY_WINDOW_SECONDS = 86400
+#: PgBouncer's default port.
+_PGBOUNCER_PORT = "6432"
+#: The Celery broker schemes that are Redis.
+_REDIS_SCHEMES = frozenset({"redis", "rediss", "redis+socket", "sentinel", "sentinel+ssl"})
+#: What each table needs run now and then: its sweep, or with day partitions the task that
+#: creates and drops them (``tasks.BEAT_SCHEDULE`` holds an entry for each).
+_UPKEEP = (
+    ("records", "RECORD_PARTITIONS", "sweep_idempotency_records", "maintain_record_partitions"),
+    ("outbox", "OUTBOX_PARTITIONS", "sweep_outbox_events", "maintain_outbox_partitions"),
+    ("inbox", "INBOX_PARTITIONS", "sweep_processed_messages", "maintain_inbox_partitions"),
+)
+#: Rows this long past their sweep's cutoff say no sweep has run.
+_OVERDUE = timedelta(days=1)
+
+
+def _app_models() -> list[Any]:
+    from django.apps import apps
+
+    return list(apps.get_app_config("django_idempotency").get_models())
+
+
+def _url_views() -> Iterator[Any]:
+    """The view callables of the project's URLconf (Django's own URL checks import it too)."""
+    from django.urls import URLPattern, URLResolver, get_resolver
+
+    def walk(patterns: Iterable[Any]) -> Iterator[Any]:
+        for pattern in patterns:
+            if isinstance(pattern, URLResolver):
+                yield from walk(pattern.url_patterns)
+            elif isinstance(pattern, URLPattern):
+                yield pattern.callback
+
+    try:
+        yield from walk(get_resolver().url_patterns)
+    except Exception:  # a URLconf that does not import is Django's own error to report
+        return
+
+
+def _lets_anonymous_in(view: Any) -> bool:
+    """A DRF view whose permission classes are all ``AllowAny`` (DRF's own default)."""
+    from rest_framework.permissions import AllowAny
+
+    cls = getattr(view, "cls", None)
+    initkwargs = getattr(view, "initkwargs", None) or {}
+    classes = initkwargs.get("permission_classes", getattr(cls, "permission_classes", ()))
+    return all(isinstance(item, type) and issubclass(item, AllowAny) for item in classes)
+
+
+def _anonymous_mixin_views() -> list[str]:
+    """``IdempotencyMixin`` views that anonymous clients reach with the shared scope."""
+    if not importable("rest_framework"):
+        return []
+    from django_idempotency.drf import IdempotencyMixin
+
+    found: list[str] = []
+    for view in _url_views():
+        cls = getattr(view, "cls", None)
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, IdempotencyMixin)
+            and cls.get_idempotency_scope is IdempotencyMixin.get_idempotency_scope
+            and _lets_anonymous_in(view)
+        ):
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            if name not in found:
+                found.append(name)
+    return found
+
+
+def _shared_anonymous_scope(c: Context) -> Iterator[Finding]:
+    if not _is_default_resolver(c.merged["SCOPE_RESOLVER"]):
+        return
+    views = _anonymous_mixin_views()
+    if views:
+        shown = ", ".join(views[:3]) + (f" and {len(views) - 3} more" if len(views) > 3 else "")
+        yield {"where": f"{shown} let anonymous clients in (permission_classes AllowAny)"}
+    from django.db import DatabaseError, router
+
+    from django_idempotency.models import IdempotencyRecord
+
+    alias = router.db_for_write(IdempotencyRecord)
+    if alias not in (c.databases or ()):
+        return
+    try:
+        used = (
+            IdempotencyRecord.objects.using(alias)
+            .filter(scope=str(c.merged["ANONYMOUS_SCOPE"]))
+            .exists()
+        )
+    except DatabaseError:  # no tables yet: E084 says so
+        return
+    if used:
+        yield {"where": f"database {alias!r} holds keys sent anonymously"}
+
+
+def _behind_a_pooler(settings_dict: Mapping[str, Any]) -> str | None:
+    """Why a database looks like a pooler that hands sessions around (PgBouncer in transaction
+    mode), from its settings alone; None when nothing says so."""
+    if settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
+        return "DISABLE_SERVER_SIDE_CURSORS is True, as Django asks behind transaction pooling"
+    if str(settings_dict.get("PORT") or "") == _PGBOUNCER_PORT:
+        return f"PORT is {_PGBOUNCER_PORT}, PgBouncer's"
+    if "pgbouncer" in str(settings_dict.get("HOST") or "").lower():
+        return "its HOST names PgBouncer"
+    return None
+
+
+def _session_features_behind_pooler(c: Context) -> Iterator[Finding]:
+    from django.db import connections, router
+
+    wanted = []
+    for name in ("PREPARED_STATEMENTS", "TAKE_OVER_DEAD_OWNERS"):
+        try:
+            if parse_bool(name, c.merged[name]):
+                wanted.append(name)
+        except IdempotencyConfigurationError:
+            pass  # E011 says so
+    if not wanted:
+        return
+    aliases = sorted({router.db_for_write(model) for model in _app_models()})
+    for alias in aliases:
+        settings_dict = connections.settings.get(alias) or {}
+        if "postgresql" not in str(settings_dict.get("ENGINE", "")):
+            continue
+        evidence = _behind_a_pooler(settings_dict)
+        if evidence is not None:
+            yield {
+                "alias": alias,
+                "evidence": evidence,
+                "settings": " and ".join(wanted),
+                "off": ", ".join(f"IDEMPOTENCY[{name!r}] = False" for name in wanted),
+            }
+
+
+def _ttl_below_retry_window(c: Context) -> Iterator[Finding]:
+    ttl = _number("TTL_SECONDS", c.merged)
+    if ttl is not None and 0 < ttl < RETRY_WINDOW_SECONDS:
+        yield {"ttl": c.merged["TTL_SECONDS"], "hours": ttl / 3600}
+
+
+def _celery_apps(c: Context) -> list[Any]:
+    """The Celery apps the outbox sends through: each CeleryPublisher route's ``app`` (the
+    current app when it names none), and the current app for the default kick."""
+    if not importable("celery"):
+        return []
+    from celery import current_app
+
+    from django_idempotency.publishers.celery import CeleryPublisher
+
+    apps: list[Any] = []
+    if _routes(c) and c.merged["OUTBOX_KICK"] == DEFAULTS["OUTBOX_KICK"]:
+        apps.append(current_app)
+    for _, route, backend in _publisher_classes(c):
+        if isinstance(backend, type) and issubclass(backend, CeleryPublisher):
+            path = route.options.get("app")
+            try:
+                app = import_string(path) if isinstance(path, str) else path or current_app
+            except ImportError:
+                continue  # E028 and the publisher itself say so
+            apps.append(app)
+    unique: list[Any] = []
+    for app in apps:
+        if all(app is not seen for seen in unique):
+            unique.append(app)
+    return unique
+
+
+def _redis_broker_without_timeouts(c: Context) -> Iterator[Finding]:
+    for app in _celery_apps(c):
+        url = str(app.conf.broker_url or "")
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        if scheme not in _REDIS_SCHEMES:
+            continue
+        options = app.conf.broker_transport_options or {}
+        missing = [
+            name for name in ("socket_timeout", "socket_connect_timeout") if not options.get(name)
+        ]
+        if missing:
+            yield {"app": app.main or "the current app", "missing": " and ".join(missing)}
+
+
+def _local_replay_on(c: Context) -> Iterator[Finding]:
+    seconds = _number("LOCAL_REPLAY_SECONDS", c.merged)
+    if seconds is not None and seconds > 0:
+        yield {"seconds": c.merged["LOCAL_REPLAY_SECONDS"]}
+
+
+def _upkeep_tasks(c: Context) -> list[str]:
+    """The task each table needs scheduled: its sweep, or its partitions' maintenance."""
+    return [
+        f"django_idempotency.tasks.{maintain if _partitions_wanted(c, setting) else sweep}"
+        for _, setting, sweep, maintain in _UPKEEP
+    ]
+
+
+def _scheduled_tasks(c: Context) -> set[str] | None:
+    """The task names the project's Celery beat runs; None when it cannot be told (no beat
+    schedule, or django-celery-beat's scheduler without ``--database``)."""
+    if not importable("celery"):
+        return None
+    from celery import current_app
+
+    scheduler = str(current_app.conf.beat_scheduler or "")
+    if "DatabaseScheduler" in scheduler:
+        return _database_scheduled_tasks(c)
+    schedule = current_app.conf.beat_schedule or {}
+    if not schedule:
+        return None  # no beat here: cron may run the commands; the database tells (below)
+    return {str(entry.get("task")) for entry in schedule.values() if isinstance(entry, Mapping)}
+
+
+def _database_scheduled_tasks(c: Context) -> set[str] | None:
+    if not importable("django_celery_beat"):
+        return None
+    from django.db import DatabaseError, router
+    from django_celery_beat.models import PeriodicTask  # type: ignore[import-untyped]
+
+    alias = router.db_for_read(PeriodicTask)
+    if alias not in (c.databases or ()):
+        return None
+    try:
+        return set(
+            PeriodicTask.objects.using(alias).filter(enabled=True).values_list("task", flat=True)
+        )
+    except DatabaseError:  # django-celery-beat not migrated: its own problem
+        return None
+
+
+def _overdue_rows(c: Context) -> Iterator[Finding]:
+    """Tables holding rows a day past their sweep's cutoff: no sweep has run. Asked only of
+    the databases Django names, each an index range scan that stops at the first row."""
+    from django.db import DatabaseError, router
+
+    from django_idempotency.db import database_now
+    from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
+
+    for label, setting, sweep, _ in _UPKEEP:
+        if _partitions_wanted(c, setting):
+            continue  # retention drops whole partitions; W081 watches them
+        model = {"records": IdempotencyRecord, "outbox": OutboxEvent, "inbox": ProcessedMessage}[
+            label
+        ]
+        alias = router.db_for_write(model)
+        if alias not in (c.databases or ()):
+            continue
+        try:
+            now = database_now(alias)
+            rows: Any = model._default_manager.using(alias)
+            if label == "records":
+                overdue = rows.expired(now - _OVERDUE)
+            elif label == "outbox":
+                retention = timedelta(seconds=c.merged["OUTBOX_RETENTION_SECONDS"])
+                overdue = rows.published_before(now - retention - _OVERDUE)
+            else:
+                retention = timedelta(seconds=c.merged["INBOX_RETENTION_SECONDS"])
+                overdue = rows.processed_before(now - retention - _OVERDUE)
+            found = overdue.exists()
+        except (DatabaseError, TypeError, ValueError):  # no tables yet (E084), bad settings
+            continue
+        if found:
+            yield {
+                "problem": f"the {label} table of database {alias!r} holds rows more than a "
+                f"day past their sweep, so {sweep} has not run"
+            }
+
+
+def _sweeps_not_scheduled(c: Context) -> Iterator[Finding]:
+    scheduled = _scheduled_tasks(c)
+    if scheduled is not None:
+        missing = [task for task in _upkeep_tasks(c) if task not in scheduled]
+        if missing:
+            yield {
+                "problem": "the Celery beat schedule does not run "
+                + ", ".join(task.rpartition(".")[2] for task in missing)
+            }
+            return
+    yield from _overdue_rows(c)
+
+
+# --- conditions: the database has the app's tables ---------------------------------------------
+
+
+def _migrating() -> bool:
+    """Whether ``manage.py migrate`` is running the checks: it runs the database checks before
+    it migrates, and a report that the migrations are not applied would only tell it to do
+    what it is about to do. Django passes no flag; its command is on the stack."""
+    from django.core.management.commands.migrate import Command as Migrate
+
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), Migrate):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _not_migrated(c: Context) -> Iterator[Finding]:
+    from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router
+    from django.db.migrations.executor import MigrationExecutor
+
+    if not c.databases or _migrating():
+        return
+    by_alias: dict[str, list[Any]] = {}
+    for model in _app_models():
+        alias = router.db_for_write(model)
+        if alias in c.databases and router.allow_migrate_model(alias, model):
+            by_alias.setdefault(alias, []).append(model)
+    for alias, models in sorted(by_alias.items()):
+        connection = connections[alias]
+        try:
+            tables = set(connection.introspection.table_names())
+            executor = MigrationExecutor(connection)
+            leaves = [node for node in executor.loader.graph.leaf_nodes() if node[0] == _APP_LABEL]
+            plan = executor.migration_plan(leaves)
+        except DatabaseError:  # a database that does not answer is Django's own to report
+            continue
+        missing = sorted(
+            {model._meta.db_table for model in models if model._meta.db_table not in tables}
+        )
+        unapplied = [
+            migration.name
+            for migration, backwards in plan
+            if migration.app_label == _APP_LABEL and not backwards
+        ]
+        if not (missing or unapplied):
+            continue
+        if len(missing) == len({model._meta.db_table for model in models}):
+            problem = "has none of django_idempotency's tables (its migrations never ran)"
+        else:
+            problems = (
+                [f"lacks django_idempotency's tables {', '.join(missing)}"] if missing else []
+            )
+            if unapplied:
+                problems.append(
+                    f"has not applied django_idempotency's migrations {', '.join(unapplied)}"
+                )
+            problem = " and ".join(problems)
+        yield {
+            "alias": alias,
+            "problem": problem,
+            "database": "" if alias == DEFAULT_DB_ALIAS else f" --database {alias}",
+        }
+
+
 _DURATIONS = (
     "OUTBOX_RELAY_LEASE_SECONDS",
     "OUTBOX_BACKOFF_BASE_SECONDS",
@@ -1123,7 +1491,7 @@ PROJECT_CHECKS: tuple[Check, ...] = (
         reads_settings=False,
     ),
     Check(
-        W008,
+        W011,
         _waiters_hold_every_thread,
         "IDEMPOTENCY['ATTACH_MAX_WAITERS_PER_SCOPE'] is {per_scope}, and the server runs "
         "{threads} thread(s) per process ({source}): one client's duplicates waiting with "
@@ -1282,7 +1650,8 @@ FAST_PATH_CHECKS: tuple[Check, ...] = (
         _not_django_redis,
         "CACHES[{alias!r}] (IDEMPOTENCY['CACHE_ALIAS']) uses {backend!r}; the fast path needs "
         f"{_DJANGO_REDIS_BACKEND!r}.",
-        "pip install 'django-idempotency[redis]' and set that BACKEND.",
+        "Install the 'redis' extra (pip install -e '/path/to/django-idempotency[redis]' from "
+        "a checkout, see docs/installation.md) and set that BACKEND.",
         tags=(Tags.caches,),
     ),
     Check(
@@ -1303,13 +1672,15 @@ OPERATIONS_CHECKS: tuple[Check, ...] = (
         _on_without_package("METRICS", "prometheus_client"),
         "IDEMPOTENCY['METRICS'] is True but prometheus_client is not installed, so it has no "
         "effect.",
-        "pip install 'django-idempotency[metrics]', or remove the setting.",
+        "Install the 'metrics' extra (pip install -e '/path/to/django-idempotency[metrics]' from "
+        "a checkout, see docs/installation.md), or remove the setting.",
     ),
     Check(
         W061,
         _on_without_package("TRACING", "opentelemetry.trace"),
         "IDEMPOTENCY['TRACING'] is True but opentelemetry is not installed, so it has no effect.",
-        "pip install 'django-idempotency[otel]', or remove the setting.",
+        "Install the 'otel' extra (pip install -e '/path/to/django-idempotency[otel]' from "
+        "a checkout, see docs/installation.md), or remove the setting.",
     ),
 )
 
@@ -1361,6 +1732,82 @@ STORAGE_CHECKS: tuple[Check, ...] = (
         "{task} task of BEAT_SCHEDULE).",
         tags=(Tags.database,),
     ),
+    Check(
+        E084,
+        _not_migrated,
+        "Database {alias!r} {problem}: every request the app guards answers 503 until they "
+        "are applied.",
+        "Run `manage.py migrate django_idempotency{database}`.",
+        tags=(Tags.database,),
+        reads_settings=False,
+    ),
+)
+
+#: ``manage.py check --deploy``: what is fine on a laptop and wrong in production.
+#: ``docs/production.md`` lists them with the settings they watch.
+DEPLOY_CHECKS: tuple[Check, ...] = (
+    Check(
+        W008,
+        _shared_anonymous_scope,
+        "Anonymous clients share one idempotency scope (ANONYMOUS_SCOPE), and {where}: one "
+        "client's retry with another's key replays the other's response.",
+        "Require authentication on guarded views, give anonymous clients scopes of their own "
+        "with IDEMPOTENCY['SCOPE_RESOLVER'] (docs/howto/multi-tenant.md), or silence this "
+        "check if anonymous clients send unguessable keys (UUIDs).",
+        tags=(Tags.security,),
+        deploy=True,
+    ),
+    Check(
+        W009,
+        _session_features_behind_pooler,
+        "Database {alias!r} looks like a connection pooler that hands server sessions around "
+        "after each transaction ({evidence}), and {settings} use session state: prepared "
+        "statements fail on another session, and session locks are lost or leak.",
+        "Set {off}; or use session pooling (or PgBouncer 1.21+ with max_prepared_statements for "
+        "the statements) and silence this check.",
+        tags=(Tags.database,),
+        deploy=True,
+    ),
+    Check(
+        W010,
+        _ttl_below_retry_window,
+        "IDEMPOTENCY['TTL_SECONDS'] is {ttl} ({hours:.3g} h): a client that retries later runs "
+        "the request again, and payment clients and gateways commonly retry for a day.",
+        "Set TTL_SECONDS to the longest time any client retries a request, 86400 (the default) "
+        "or more; silence this check once you know every client stops sooner.",
+        deploy=True,
+    ),
+    Check(
+        W027,
+        _redis_broker_without_timeouts,
+        "The outbox sends through Celery app {app!r}, whose broker is Redis without "
+        "{missing} in broker_transport_options: a Redis that stops answering hangs the relay "
+        "and the kick after each commit for good.",
+        "Set CELERY_BROKER_TRANSPORT_OPTIONS = {{'socket_timeout': 5, "
+        "'socket_connect_timeout': 5}} (seconds); the relay retries what a timeout failed.",
+        tags=(Tags.caches,),
+        deploy=True,
+    ),
+    Check(
+        W041,
+        _local_replay_on,
+        "IDEMPOTENCY['LOCAL_REPLAY_SECONDS'] is {seconds}: each process replays the answers it "
+        "keeps in memory, so a key released in another process (an operator's release in the "
+        "admin) is still replayed by the others for up to {seconds} s.",
+        "With several processes, keep it to a few seconds where that is acceptable, or set it "
+        "to 0 where a release must take effect everywhere at once; then silence this check.",
+        deploy=True,
+    ),
+    Check(
+        W062,
+        _sweeps_not_scheduled,
+        "The app's sweeps are not scheduled: {problem}. Expired keys, published events and old "
+        "consumer markers then stay for ever, and the tables grow.",
+        "Merge django_idempotency.tasks.BEAT_SCHEDULE into CELERY_BEAT_SCHEDULE (with "
+        "django-celery-beat: `manage.py idempotency_periodic_tasks`), or run `manage.py "
+        "idempotency_sweep` from cron (docs/tasks.md).",
+        deploy=True,
+    ),
 )
 
 #: Every check, in the order ``manage.py check`` reports them.
@@ -1371,6 +1818,7 @@ CHECKS: tuple[Check, ...] = (
     *FAST_PATH_CHECKS,
     *OPERATIONS_CHECKS,
     *STORAGE_CHECKS,
+    *DEPLOY_CHECKS,
 )
 BY_ID: dict[str, Check] = {check.id: check for check in CHECKS}
 
@@ -1378,7 +1826,7 @@ BY_ID: dict[str, Check] = {check.id: check for check in CHECKS}
 def register_all() -> None:
     """Register every row with Django's check framework (``AppConfig.ready()`` calls this)."""
     for check in CHECKS:
-        register(check, *check.tags)
+        register(check, *check.tags, deploy=check.deploy)
 
 
 def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:

@@ -34,6 +34,7 @@ __all__ = [
     "PayloadMismatch",
     "PublishError",
     "ResponseNotRetained",
+    "StoreNotMigrated",
     "StoreUnavailable",
     "TransactionInProgress",
     "TransactionRequired",
@@ -80,19 +81,21 @@ class IdempotencyHTTPError(IdempotencyError, _HTTPBase):
     """An error answered to the client as ``application/problem+json``."""
 
     title = "Idempotency error"
+    #: What the client should do, in a few words: ``message`` beside ``detail``'s explanation.
+    default_message = "See detail."
     wait: int | None = None
 
     def problem(self, type_base: str) -> dict[str, Any]:
-        """RFC 9457 body, plus the short ``error`` code and ``message`` clients match on."""
+        """RFC 9457 body, plus the short ``error`` code clients match on and the ``message``
+        that says what to do (``detail`` explains)."""
         code = str(self.default_code)
-        detail = str(self.detail)
         return {
             "type": f"{type_base}{code}",
             "title": self.title,
             "status": self.status_code,
-            "detail": detail,
+            "detail": str(self.detail),
             "error": code,
-            "message": detail,
+            "message": self.default_message,
         }
 
 
@@ -100,6 +103,7 @@ class IdempotencyKeyMissing(IdempotencyHTTPError):
     status_code = 400
     title = "Idempotency key missing"
     default_code = "idempotency_key_missing"
+    default_message = "Send an Idempotency-Key header."
     default_detail = "This endpoint requires an Idempotency-Key header."
 
 
@@ -107,6 +111,7 @@ class IdempotencyKeyInvalid(IdempotencyHTTPError):
     status_code = 400
     title = "Idempotency key invalid"
     default_code = "idempotency_key_invalid"
+    default_message = "Send one valid Idempotency-Key."
     default_detail = (
         "The Idempotency-Key header must be sent once, with a key of 1 to 255 characters: "
         "either a bare token of printable ASCII without spaces, commas, double quotes or "
@@ -119,6 +124,7 @@ class TransactionInProgress(IdempotencyHTTPError):
     status_code = 409
     title = "Request in progress"
     default_code = "transaction_in_progress"
+    default_message = "Retry with the same key after Retry-After seconds."
     default_detail = (
         "A request with this idempotency key is still being processed. "
         "Retry after the number of seconds in Retry-After."
@@ -133,6 +139,7 @@ class LeaseLostConflict(IdempotencyHTTPError):
     status_code = 409
     title = "Idempotency lease lost"
     default_code = "idempotency_lease_lost"
+    default_message = "Retry with the same key to get the result."
     default_detail = (
         "This request ran past its lease and another request with the same idempotency key "
         "took over; this request's changes were rolled back. Retry with the same key to "
@@ -148,6 +155,7 @@ class PayloadMismatch(IdempotencyHTTPError):
     status_code = 422
     title = "Idempotency key reused"
     default_code = "payload_mismatch"
+    default_message = "Send a new request with a new key."
     default_detail = (
         "This idempotency key was already used for a different request (method, path or "
         "body). Use a new key for a new request."
@@ -158,6 +166,7 @@ class StoreUnavailable(IdempotencyHTTPError):
     status_code = 503
     title = "Service unavailable"
     default_code = "idempotency_store_unavailable"
+    default_message = "Retry with the same key after Retry-After seconds."
     default_detail = (
         "The database that records idempotency keys is unavailable; nothing was done. "
         "Retry with the same key after the number of seconds in Retry-After."
@@ -168,11 +177,29 @@ class StoreUnavailable(IdempotencyHTTPError):
         self.wait = wait
 
 
+class StoreNotMigrated(StoreUnavailable):
+    """The database has no tables for idempotency keys (or older ones): the app's migrations
+    were not applied there. An operator's fix, named in the answer; a retry then succeeds."""
+
+    title = "Idempotency store not migrated"
+    default_code = "idempotency_store_not_migrated"
+    default_message = "Run `manage.py migrate django_idempotency` on the server."
+    default_detail = (
+        "The database that records idempotency keys has not been set up; nothing was done. "
+        "The server's operator must run `manage.py migrate django_idempotency`; retry with "
+        "the same key after that."
+    )
+
+    def __init__(self, wait: int = 30, detail: Any = None) -> None:
+        super().__init__(wait, detail)
+
+
 class ResponseNotRetained(IdempotencyHTTPError):
     """A replay of a request whose response body was not stored: same status, this body."""
 
     title = "Response not retained"
     default_code = "response_not_retained"
+    default_message = "Nothing to retry: the request was processed."
     default_detail = (
         "This request was already processed. Its response body was streamed or larger than "
         "MAX_RESPONSE_BYTES, so it was not stored and cannot be replayed."
@@ -189,6 +216,7 @@ class CredentialsNotScoped(IdempotencyHTTPError):
     status_code = 400
     title = "Idempotency key scope unknown"
     default_code = "idempotency_scope_unknown"
+    default_message = "Send the key where the request is authenticated first."
     default_detail = (
         "This request carries credentials that were not authenticated before its idempotency "
         "key was read, so the key cannot be tied to a client. Send it to an endpoint that "
@@ -203,6 +231,7 @@ class IdempotencyKeyNotFound(IdempotencyHTTPError):
     status_code = 404
     title = "Idempotency key not found"
     default_code = "idempotency_key_not_found"
+    default_message = "Retry the request itself with its key."
     default_detail = (
         "There is no idempotency key by this name for you: it was never used with your "
         "credentials, or it expired or was released. Retrying the request itself with the key "

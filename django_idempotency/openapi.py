@@ -68,7 +68,7 @@ ERROR_RESPONSES: dict[int, tuple[tuple[str, ...], str, bool]] = {
 
 
 def problem_schema() -> dict[str, Any]:
-    """RFC 9457 problem details plus the short ``error`` code and ``message``."""
+    """RFC 9457 problem details plus the short ``error`` code and ``message`` (what to do)."""
     codes = ", ".join(sorted(code for codes, _, _ in ERROR_RESPONSES.values() for code in codes))
     return {
         "type": "object",
@@ -80,7 +80,10 @@ def problem_schema() -> dict[str, Any]:
             # Not an enum: drf-spectacular would lift it into a component named after the
             # property ("ErrorEnum"), which collides with the project's own "error" fields.
             "error": {"type": "string", "description": f"One of: {codes}."},
-            "message": {"type": "string"},
+            "message": {
+                "type": "string",
+                "description": "What the client should do, in a few words; detail explains.",
+            },
         },
         "required": ["type", "title", "status", "detail", "error", "message"],
     }
@@ -384,6 +387,14 @@ class KeyLookupSchema(AutoSchema):
 
     def _get_parameters(self) -> list[dict[str, Any]]:
         return [key_path_parameter()]
+
+    # No serializer to guess: the answers are written out above. Without these two,
+    # drf-spectacular guesses for the operation id and warns (drf_spectacular.W002).
+    def get_request_serializer(self) -> None:
+        return None
+
+    def get_response_serializers(self) -> None:
+        return None
 
     def _get_response_bodies(self, direction: str = "response") -> dict[str, Any]:
         return dict(self._responses(self.registry))

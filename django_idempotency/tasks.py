@@ -1,12 +1,15 @@
 """Celery tasks: thin wrappers over the plain functions the management commands call too.
 
 Every task is ``acks_late`` and ``reject_on_worker_lost``: a worker that dies mid-task, or a
-prefork pool process killed under it, leaves the message to be delivered again. That is safe
-because every task is safe to run again and concurrently with itself: relays coordinate through
-leases, sweeps delete in batches that each re-check their condition, so a sweep killed half-way
-and run again finishes the job. The module imports without Celery; the functions then stay
-plain functions, and the default ``OUTBOX_KICK`` (:func:`kick_relay`) relays in a thread of the
-process instead of queueing a task.
+prefork pool process killed under it, leaves the message to be delivered again, as long as it
+has not expired (a :data:`BEAT_SCHEDULE` entry's message expires before the entry's next run,
+which then does the work); the worker logs which task it lost and what became of its message
+(``operations/worker.py``). Running again is safe because every task is safe to run again and
+concurrently with itself: relays coordinate through leases, sweeps delete in batches that each
+re-check their condition, so a sweep killed half-way and run again finishes the job, and a sweep
+that starts while another still runs skips its turn. The module imports without Celery; the
+functions then stay plain functions, and the default ``OUTBOX_KICK`` (:func:`kick_relay`) relays
+in a thread of the process instead of queueing a task.
 
 Merge :data:`BEAT_SCHEDULE` into ``CELERY_BEAT_SCHEDULE`` for Celery's own scheduler. With
 django-celery-beat's ``DatabaseScheduler`` call :func:`install_periodic_tasks` instead (the
@@ -50,13 +53,20 @@ except ImportError:  # pragma: no cover - exercised only without Celery installe
 def _task(func: F) -> F:
     if _shared_task is None:  # pragma: no cover
         return func
-    task: F = _shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=False)(func)
+    task: F = _shared_task(
+        acks_late=True,
+        reject_on_worker_lost=True,
+        ignore_result=False,
+        # Loaded by the worker only: logs what became of a task whose pool process died.
+        Request="django_idempotency.operations.worker:LostWorkerRequest",
+    )(func)
     return task
 
 
 @_task
 def relay_outbox(batch_size: int | None = None, max_batches: int = 50) -> dict[str, int]:
-    """Publish due outbox events until none are left (or ``max_batches``)."""
+    """Publish due outbox events until none are left (or ``max_batches``); returns the pass's
+    :class:`~django_idempotency.outbox.relay.RelayStats` as a dict."""
     from django_idempotency.outbox.relay import Relay
 
     with Relay(batch_size=batch_size) as relay:
@@ -64,21 +74,21 @@ def relay_outbox(batch_size: int | None = None, max_batches: int = 50) -> dict[s
 
 
 @_task
-def sweep_idempotency_records(batch_size: int | None = None) -> int:
+def sweep_idempotency_records(batch_size: int | None = None) -> int | None:
     from django_idempotency.operations.sweeps import sweep_expired_records
 
     return sweep_expired_records(batch_size=batch_size)
 
 
 @_task
-def sweep_outbox_events(batch_size: int | None = None) -> int:
+def sweep_outbox_events(batch_size: int | None = None) -> int | None:
     from django_idempotency.operations.sweeps import sweep_published_events
 
     return sweep_published_events(batch_size=batch_size)
 
 
 @_task
-def sweep_processed_messages(batch_size: int | None = None) -> int:
+def sweep_processed_messages(batch_size: int | None = None) -> int | None:
     from django_idempotency.operations.sweeps import sweep_processed_messages as sweep
 
     return sweep(batch_size=batch_size)
@@ -168,8 +178,10 @@ class _RelayKicker:
                     relay_outbox.apply_async(  # type: ignore[attr-defined]
                         retry=False, expires=max(conf.OUTBOX_RELAY_LEASE_SECONDS, 60)
                     )
-            except Exception:
-                logger.warning("outbox relay kick failed", exc_info=True)
+            except Exception as exc:
+                from django_idempotency.outbox.publish import log_kick_failure
+
+                log_kick_failure(logger, exc)
 
 
 def _relay_here(using: str) -> None:
@@ -201,9 +213,10 @@ def kick_relay(using: str) -> None:
     _kicker.kick(using)
 
 
-#: Ready to merge: ``CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE, ...}``. Seconds between runs; each
-#: message expires before the next run is sent, so a stopped worker finds at most one waiting per
-#: entry (the broker drops the others) instead of a backlog to run back to back.
+#: Ready to merge: ``CELERY_BEAT_SCHEDULE = {**BEAT_SCHEDULE, ...}``. Each entry has its own
+#: interval (seconds) and its own expiry, below the interval, so a stopped worker finds at most
+#: one message waiting per entry (the broker drops the others) instead of a backlog to run back
+#: to back. Override an entry's interval and expiry together (``docs/tasks.md``).
 BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     "django-idempotency-relay-outbox": {
         "task": "django_idempotency.tasks.relay_outbox",
@@ -249,8 +262,10 @@ def install_periodic_tasks(*, reset: bool = False, dry_run: bool = False) -> dic
     An entry missing from the database is created; one already there is kept as it is (its
     interval or expiry changed in the admin, disabled), unless ``reset`` puts the shipped task,
     arguments, interval and expiry back and enables it (its queue and routing stay as they
-    are). Returns ``{entry name: "created" | "kept" | "reset"}``: what was done, or with
-    ``dry_run`` what would be. Needs django-celery-beat in ``INSTALLED_APPS``.
+    are). Each entry gets an interval row of its own: django-celery-beat's rows are shared by
+    every task that points at one, so six hourly entries on one row would all change when an
+    operator edits it for one. Returns ``{entry name: "created" | "kept" | "reset"}``: what was
+    done, or with ``dry_run`` what would be. Needs django-celery-beat in ``INSTALLED_APPS``.
     """
     from django.db import router, transaction
     from django_celery_beat.models import (  # type: ignore[import-untyped]
@@ -267,14 +282,20 @@ def install_periodic_tasks(*, reset: bool = False, dry_run: bool = False) -> dic
             if dry_run or outcomes[name] == "kept":
                 continue
             every = int(entry["schedule"])
-            interval = (
-                IntervalSchedule.objects.using(using)
-                .filter(every=every, period=IntervalSchedule.SECONDS)
-                .order_by("pk")
-                .first()
-            ) or IntervalSchedule.objects.using(using).create(
-                every=every, period=IntervalSchedule.SECONDS
-            )
+            current = PeriodicTask.objects.using(using).filter(name=name).first()
+            interval: Any = current.interval if current is not None else None
+            if interval is not None and not (
+                PeriodicTask.objects.using(using)
+                .filter(interval=interval)
+                .exclude(name=name)
+                .exists()
+            ):
+                interval.every, interval.period = every, IntervalSchedule.SECONDS
+                interval.save(using=using)
+            else:
+                interval = IntervalSchedule.objects.using(using).create(
+                    every=every, period=IntervalSchedule.SECONDS
+                )
             # save(), not a queryset update: it bumps the change marker a running beat polls.
             PeriodicTask.objects.using(using).update_or_create(
                 name=name,

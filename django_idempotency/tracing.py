@@ -1,6 +1,6 @@
 """OpenTelemetry spans, and the W3C ``traceparent`` helpers that tie a message to its request.
 
-Optional: ``pip install 'django-idempotency[otel]'``. Without ``opentelemetry-api``, or with
+Optional: the ``otel`` extra. Without ``opentelemetry-api``, or with
 ``IDEMPOTENCY["TRACING"] = False``, every helper here is a no-op. Only the API is used: spans go
 wherever the application's tracer provider sends them (nowhere until one is configured).
 """

@@ -32,11 +32,12 @@ ONCE = frozenset(
         "test_admin_browser", "test_body_bounds", "test_browsable", "test_celery_beat",
         "test_checks", "test_checks_operations", "test_client", "test_conf",
         "test_deprecations", "test_docs", "test_failures", "test_fastpath_checks",
-        "test_fingerprint", "test_function_view_csrf", "test_howto_celery_beat",
+        "test_fingerprint", "test_function_view_csrf", "test_howtos", "test_checks_deploy",
         "test_key_message", "test_keys", "test_metrics_multiprocess", "test_nats",
         "test_openapi", "test_outbox_checks", "test_packaging", "test_ports", "test_proxy",
         "test_publishers", "test_pytest_plugin", "test_quickstart", "test_redis_cluster",
         "test_route_secrets", "test_tasks", "test_tracing", "test_verify",
+        "test_webhook_signatures",
     }
 )  # fmt: skip
 

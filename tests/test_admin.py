@@ -409,3 +409,26 @@ def test_a_record_handed_to_a_worker_is_shown_held_and_released_only_by_force(su
     )
     assert IdempotencyRecord.objects.filter(pk=accepted.pk).exists()
     assert released == []
+
+
+# --- what the pages show -----------------------------------------------------------------------
+
+
+def test_the_lease_time_shows_its_seconds(superuser):
+    from datetime import UTC, datetime
+
+    record = IdempotencyRecordFactory(
+        running=True, lease_expires_at=datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+    )
+    html = superuser.get(detail(record)).content.decode()
+    assert "Jan. 2, 2030, 03:04:05 UTC" in html
+
+
+def test_a_scope_may_wrap_after_a_colon_only(superuser):
+    IdempotencyRecordFactory(key="anon", scope="anonymous")
+    IdempotencyRecordFactory(key="digest", scope="credentials:" + "9f" * 20)
+    html = superuser.get(changelist()).content.decode()
+    assert '<td class="field-scope_display">anonymous</td>' in html
+    assert f'<td class="field-scope_display">credentials:<wbr>{"9f" * 20}</td>' in html
+    # The column's style lets no scope break inside a word.
+    assert ".field-scope_display { overflow-wrap: normal;" in html

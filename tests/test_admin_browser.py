@@ -95,6 +95,16 @@ def fold_navigation(browser: Any) -> None:
     browser.find_element(By.ID, "toggle-nav-sidebar").click()
 
 
+def scope_lines(browser: Any) -> set[int]:
+    """How many lines each scope cell of the list takes."""
+    lines: list[int] = browser.execute_script(
+        "return [...document.querySelectorAll('#result_list td.field-scope_display')].map("
+        "cell => { const range = document.createRange(); range.selectNodeContents(cell);"
+        " return new Set([...range.getClientRects()].map(rect => Math.round(rect.top))).size; })"
+    )
+    return set(lines)
+
+
 def assert_nothing_cut_off(browser: Any, what: str) -> None:
     """Every column of a changelist and every field of a change page lies within the page."""
     cut = clipped(browser)
@@ -124,9 +134,12 @@ def test_records_release_stuck_keys_from_the_list_and_the_page(browser, live_ser
         response_body=b'{"id":77,"amount":"125.00","currency":"EUR","status":"captured"}',
     )
 
+    IdempotencyRecordFactory(key="pay-3001", path=PAYMENTS, scope="anonymous")
+
     log_in(browser, live_server, "/admin/django_idempotency/idempotencyrecord/")
     wait_for(browser, "#idempotency-health")
     assert_nothing_cut_off(browser, "the records' changelist")
+    assert scope_lines(browser) == {1}, "a scope wrapped inside a word"
     fold_navigation(browser)
     assert_nothing_cut_off(browser, "the records' changelist, navigation folded")
     screenshot(browser, "admin-changelist")
@@ -159,8 +172,8 @@ def test_records_release_stuck_keys_from_the_list_and_the_page(browser, live_ser
 
     remaining = set(IdempotencyRecord.objects.values_list("key", flat=True))
     assert {"pay-1002", "pay-1003"}.isdisjoint(remaining)
-    assert {"pay-1001", "pay-2001", "pay-0999"} <= remaining
-    assert len(remaining) == 6
+    assert {"pay-1001", "pay-2001", "pay-0999", "pay-3001"} <= remaining
+    assert len(remaining) == 7
 
     # A completed record's page, as docs/operations-admin.md shows it.
     browser.get(f"{live_server.url}/admin/django_idempotency/idempotencyrecord/?q=pay-0999")

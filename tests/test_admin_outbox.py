@@ -350,3 +350,17 @@ def test_processed_messages_are_read_only(superuser, markers):
 def test_processed_messages_need_the_view_permission(markers):
     assert login("view_processedmessage").get(messages_url()).status_code == 200
     assert login("view_outboxevent").get(messages_url()).status_code == 403
+
+
+def test_the_relay_times_show_their_seconds(superuser):
+    from datetime import UTC, datetime
+
+    event = OutboxEventFactory(
+        failing=True,
+        next_attempt_at=datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC),
+        locked_until=datetime(2030, 1, 2, 3, 4, 6, tzinfo=UTC),
+    )
+    url = reverse("admin:django_idempotency_outboxevent_change", args=[event.pk])
+    html = superuser.get(url).content.decode()
+    assert "Jan. 2, 2030, 03:04:05 UTC" in html
+    assert "Jan. 2, 2030, 03:04:06 UTC" in html

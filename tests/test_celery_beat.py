@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -119,12 +120,12 @@ def runs(work: Path) -> list[list[str]]:
     ]
 
 
-def send(amqp_url: str, queue: str, task: str, **kwargs: Any) -> str:
+def send(amqp_url: str, queue: str, task: str, expires: float | None = None, **kwargs: Any) -> str:
     from tests.beat_celery import make_app
 
     app = make_app(amqp_url, queue)
     try:
-        return str(app.send_task(task, kwargs=kwargs).id)
+        return str(app.send_task(task, kwargs=kwargs, expires=expires).id)
     finally:
         app.close()
 
@@ -179,6 +180,11 @@ def test_a_sweep_killed_half_way_is_delivered_again_and_finishes_once(
         killed_log = workers[0].output()
         if kill == "pool process":
             os.kill(int((tmp_path / "held").read_text()), signal.SIGKILL)
+            # The worker says which task it lost and what became of its message.
+            lost = f"{SWEEP}[{task_id}] lost its worker process"
+            wait_until(lambda: lost in workers[0].output(), timeout=60, what="the lost line")
+            assert f"{lost} (Worker exited prematurely: signal 9 (SIGKILL)" in workers[0].output()
+            assert "the message was requeued, and runs again" in workers[0].output()
         else:
             workers[0].kill()
         (tmp_path / "hold-after").unlink()
@@ -220,6 +226,35 @@ def test_a_sweep_killed_half_way_is_delivered_again_and_finishes_once(
         deliveries=len(starts),
         rows_counted=swept_rows_counted(metrics),
     )
+
+
+def test_a_sweep_killed_after_its_expiry_is_dropped_and_says_so(
+    amqp_url: str, queue: str, tmp_path: Path
+) -> None:
+    """A beat entry's message expires before the next run. A sweep whose pool process dies
+    after that moment is requeued, and the broker drops it unrun: the worker's line says so,
+    and the next scheduled run does the work."""
+    old_markers(600)
+    (tmp_path / "hold-after").write_text("1")
+    (tmp_path / "hold").touch()
+    worker = start_worker(amqp_url, queue, tmp_path, "doomed")
+    try:
+        task_id = send(amqp_url, queue, SWEEP, expires=3.0, batch_size=200)
+        wait_until(lambda: (tmp_path / "held").exists(), timeout=60, what="the sweep to hold")
+        time.sleep(3.5)  # past the message's expiry
+        os.kill(int((tmp_path / "held").read_text()), signal.SIGKILL)
+        lost = f"{SWEEP}[{task_id}] lost its worker process"
+        wait_until(lambda: lost in worker.output(), timeout=60, what="the lost line")
+        (tmp_path / "hold").unlink()
+        line = next(line for line in worker.output().splitlines() if lost in line)
+        assert "the message was requeued, but it expired at" in line
+        assert "it is dropped unrun, and the next scheduled run does the work" in line
+        time.sleep(3)  # time for a redelivery, which must not come
+        assert [run[0] for run in runs(tmp_path) if run[2] == task_id] == ["start"]
+        assert worker.terminate() == 0, worker.tail()
+    finally:
+        worker.close()
+    assert queue_depth(amqp_url, queue) == 0
 
 
 # --- a worker that is not there ----------------------------------------------------------------
@@ -393,3 +428,37 @@ def test_with_the_database_scheduler_the_setting_overwrites_the_admin_at_every_s
     assert shell(shipped, READ_THE_ENTRY) == "10 seconds None"
     warned = manage(shipped, "idempotency_periodic_tasks", "--dry-run").stderr
     assert "CELERY_BEAT_SCHEDULE also lists" in warned and RELAY_ENTRY in warned
+
+
+INTERVALS = """
+from django_celery_beat.models import PeriodicTask
+tasks = PeriodicTask.objects.filter(name__startswith="django-idempotency-").order_by("name")
+print(len({task.interval_id for task in tasks}), sorted({task.interval.every for task in tasks}))
+"""
+EDIT_ONE_INTERVAL = """
+from django_celery_beat.models import PeriodicTask
+interval = PeriodicTask.objects.get(name="django-idempotency-sweep-records").interval
+interval.every = 300
+interval.save()
+print(PeriodicTask.objects.get(name="django-idempotency-sweep-outbox").interval.every)
+"""
+SHARE_ONE_INTERVAL = """
+from django_celery_beat.models import PeriodicTask
+tasks = PeriodicTask.objects.filter(name__startswith="django-idempotency-")
+shared = tasks.exclude(name="django-idempotency-relay-outbox").first().interval
+for task in tasks.exclude(name="django-idempotency-relay-outbox"):
+    task.interval = shared
+    task.save()
+"""
+
+
+def test_each_periodic_task_gets_an_interval_of_its_own(beat_project: dict[str, str]) -> None:
+    """Editing the interval row of one entry (the admin's "Intervals") changes that entry only;
+    ``--reset`` gives entries that an older install left sharing a row one each."""
+    manage(beat_project, "idempotency_periodic_tasks")
+    assert shell(beat_project, INTERVALS) == f"{len(BEAT_SCHEDULE)} [10, 3600]"
+    assert shell(beat_project, EDIT_ONE_INTERVAL) == "3600"
+    shell(beat_project, SHARE_ONE_INTERVAL)
+    assert shell(beat_project, INTERVALS) == "2 [10, 300]"
+    manage(beat_project, "idempotency_periodic_tasks", "--reset")
+    assert shell(beat_project, INTERVALS) == f"{len(BEAT_SCHEDULE)} [10, 3600]"

@@ -20,6 +20,7 @@ from django.db import connection, connections
 from django_idempotency import checks
 from django_idempotency.conf import DEFAULTS
 from django_idempotency.inbox import idempotent_consumer
+from django_idempotency.tasks import BEAT_SCHEDULE
 
 # Django 6 runs the model checks against every database, and they ask it about JSON.
 pytestmark = pytest.mark.django_db(databases="__all__")
@@ -154,6 +155,22 @@ def default_kick(p: Project) -> None:
     p.without("OUTBOX_KICK")
 
 
+def deploy(p: Project, *arguments: str) -> None:
+    """``manage.py check --deploy`` (and ``arguments``)."""
+    p.arguments = ["--deploy", *arguments]
+
+
+def behind_pgbouncer(p: Project, **idempotency: Any) -> None:
+    deploy(p)
+    p.database(ENGINE="django.db.backends.postgresql", PORT="6432")
+    p.idempotency(**idempotency)
+
+
+def tables_missing(p: Project) -> None:
+    p.monkeypatch.setattr(connection.introspection, "table_names", lambda *args, **kw: [])
+    p.arguments = ["--database", "default"]
+
+
 Scenario = Callable[[Project], Any]
 
 #: For each id: a project where it fires, and the nearest project where it stays quiet.
@@ -251,7 +268,7 @@ SCENARIOS: dict[str, tuple[Scenario, Scenario]] = {
         lambda p: p.set(DATABASE_ROUTERS=[]),
     ),
     checks.W006: (lambda p: p.set(USE_TZ=False), lambda p: p.set(USE_TZ=True)),
-    checks.W008: (
+    checks.W011: (
         # Two threads per process, two waiters per scope (the default): one client holds all.
         lambda p: p.monkeypatch.setenv("GUNICORN_CMD_ARGS", "--workers 3 --threads 2"),
         lambda p: p.monkeypatch.setenv("GUNICORN_CMD_ARGS", "--workers 3 --threads 8"),
@@ -422,6 +439,39 @@ SCENARIOS: dict[str, tuple[Scenario, Scenario]] = {
         lambda p: records_layout(p, partitioned=True, covered_days=0.5, RECORD_PARTITIONS=True),
         lambda p: records_layout(p, partitioned=True, covered_days=3, RECORD_PARTITIONS=True),
     ),
+    checks.E084: (tables_missing, lambda p: setattr(p, "arguments", ["--database", "default"])),
+    # The deploy checks: the test settings guard DRF views open to anonymous clients.
+    checks.W008: (
+        deploy,
+        lambda p: (deploy(p), p.idempotency(SCOPE_RESOLVER=f"{__name__}.tenant_scope")),
+    ),
+    checks.W009: (
+        behind_pgbouncer,
+        lambda p: behind_pgbouncer(p, PREPARED_STATEMENTS=False, TAKE_OVER_DEAD_OWNERS="off"),
+    ),
+    checks.W010: (
+        lambda p: (deploy(p), p.idempotency(TTL_SECONDS=3600)),
+        lambda p: (deploy(p), p.idempotency(TTL_SECONDS="86400")),
+    ),
+    checks.W027: (
+        lambda p: (deploy(p), default_kick(p), p.celery(broker_url="redis://r:6379/0")),
+        lambda p: (
+            deploy(p),
+            default_kick(p),
+            p.celery(
+                broker_url="redis://r:6379/0",
+                broker_transport_options={"socket_timeout": 5, "socket_connect_timeout": 5},
+            ),
+        ),
+    ),
+    checks.W041: (
+        lambda p: (deploy(p), p.idempotency(LOCAL_REPLAY_SECONDS="2")),
+        lambda p: (deploy(p), p.idempotency(LOCAL_REPLAY_SECONDS=0)),
+    ),
+    checks.W062: (
+        lambda p: (deploy(p), p.celery(beat_schedule={"mine": {"task": "x", "schedule": 60}})),
+        lambda p: (deploy(p), p.celery(beat_schedule=BEAT_SCHEDULE)),
+    ),
 }
 
 
@@ -450,10 +500,31 @@ def test_every_declared_check_has_its_scenarios() -> None:
 
 
 def test_every_declared_check_is_registered_with_django() -> None:
-    registered = registry.get_checks()
+    registered = registry.get_checks(include_deployment_checks=True)
     assert [check.id for check in checks.CHECKS if check not in registered] == []
     for check in checks.CHECKS:
         assert tuple(check.tags) == tuple(getattr(check, "tags", ()))
+
+
+def test_the_deploy_checks_run_only_with_deploy() -> None:
+    always = registry.get_checks()
+    assert {check.id for check in checks.CHECKS if check not in always} == {
+        check.id for check in checks.DEPLOY_CHECKS
+    }
+    assert all(check.deploy for check in checks.DEPLOY_CHECKS)
+
+
+@pytest.mark.parametrize("check_id", sorted(check.id for check in checks.DEPLOY_CHECKS))
+def test_a_deploy_check_is_quiet_in_plain_check(project: Project, check_id: str) -> None:
+    fire, _ = SCENARIOS[check_id]
+    fire(project)
+    project.arguments = [argument for argument in project.arguments if argument != "--deploy"]
+    assert check_id not in reported(project.check())
+
+
+def test_every_deploy_check_hint_names_a_fix() -> None:
+    for check in checks.DEPLOY_CHECKS:
+        assert check.hint and re.search(r"\b(Set|Run|Merge|Require|With)\b", check.hint), check.id
 
 
 def test_the_table_holds_every_id_once() -> None:

@@ -75,3 +75,88 @@ def test_every_page_is_in_the_navigation() -> None:
     listed = set(nav_pages(config["nav"]))
     present = {str(path.relative_to(DOCS)) for path in DOCS.rglob("*.md")}
     assert listed == present
+
+
+# --- pages that tell the truth -------------------------------------------------------------------
+
+#: ``pip install`` of this package from anywhere but a checkout (or a wheel built from one).
+_NOT_FROM_A_CHECKOUT = re.compile(
+    r"pip install (?!-e \"/path/to/django-idempotency\[)[^`\n]*django-idempotency"
+)
+
+
+def _pages() -> dict[str, str]:
+    pages = {str(path.relative_to(DOCS)): path.read_text() for path in DOCS.rglob("*.md")}
+    pages["README.md"] = (DOCS.parent / "README.md").read_text()
+    return pages
+
+
+def test_every_page_installs_the_package_the_same_way() -> None:
+    """Not on PyPI yet: every page installs from a checkout, ``pip install -e
+    "/path/to/django-idempotency[extras]"``; only installation.md builds a wheel, and the
+    future PyPI form appears only where a sentence says it is not published yet."""
+    for name, text in _pages().items():
+        for paragraph in text.split("\n\n"):
+            found = _NOT_FROM_A_CHECKOUT.search(paragraph)
+            if found is None or "dist/django_idempotency-" in found[0]:
+                continue
+            assert "published" in paragraph, f"{name}: {found[0]}"
+
+
+def test_no_page_describes_the_outbox_or_consumers_as_future_work() -> None:
+    for name, text in _pages().items():
+        for stale in ("Design level", "design level", "as they land"):
+            assert stale not in text, f"{name} says {stale!r}"
+
+
+def test_the_production_page_is_linked_from_the_home_page() -> None:
+    assert "(production.md)" in (DOCS / "index.md").read_text()
+
+
+def _exported_metric_names() -> set[str]:
+    from prometheus_client import REGISTRY
+
+    from django_idempotency.operations import metrics
+
+    names: set[str] = set()
+    for family in [*REGISTRY.collect(), *metrics.OutboxCollector().describe()]:
+        if not family.name.startswith("django_idempotency_"):
+            continue
+        names.add(family.name)
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+        if family.type == "histogram":
+            names.update(f"{family.name}_{part}" for part in ("bucket", "count", "sum"))
+    return names
+
+
+def test_the_production_page_names_only_metrics_the_app_exports() -> None:
+    page = (DOCS / "production.md").read_text()
+    named = set(re.findall(r"django_idempotency_[a-z_]+", page))
+    assert named  # the page has its alerts
+    assert named <= _exported_metric_names(), named - _exported_metric_names()
+
+
+def test_the_production_alert_rules_are_valid_yaml() -> None:
+    page = (DOCS / "production.md").read_text()
+    (block,) = re.findall(r'```yaml title="django-idempotency.rules.yml"\n(.*?)\n```', page, re.S)
+    rules = yaml.safe_load(block)["groups"][0]["rules"]
+    assert all({"alert", "expr"} <= set(rule) for rule in rules)
+
+
+def test_the_beat_override_example_changes_interval_and_expiry_together() -> None:
+    from django_idempotency.tasks import BEAT_SCHEDULE
+
+    page = (DOCS / "tasks.md").read_text()
+    (block,) = re.findall(r"```python\n(CELERY_BEAT_SCHEDULE = \{\n.*?)\n```", page, re.S)
+    namespace: dict[str, object] = {"BEAT_SCHEDULE": BEAT_SCHEDULE}
+    exec(block, namespace)  # noqa: S102 - the page's own example
+    schedule = namespace["CELERY_BEAT_SCHEDULE"]
+    assert isinstance(schedule, dict)
+    changed = [name for name, entry in schedule.items() if entry != BEAT_SCHEDULE.get(name)]
+    assert changed
+    for name in changed:
+        entry = schedule[name]
+        assert entry["options"]["expires"] < entry["schedule"], name
+    for name, entry in BEAT_SCHEDULE.items():
+        assert entry["options"]["expires"] < entry["schedule"], name

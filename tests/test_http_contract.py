@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Any
 
 import pytest
 from django.db import connection
@@ -11,6 +12,7 @@ from django.test import Client
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIRequestFactory
 
+from django_idempotency import exceptions
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.request import lifecycle
 from django_idempotency.request.fingerprint import request_fingerprint
@@ -337,3 +339,23 @@ def test_get_requests_are_not_guarded(client, key):
     post(client, key, url="/api/widgets/")
     assert client.get("/api/widgets/", HTTP_IDEMPOTENCY_KEY=key).status_code == 200
     assert IdempotencyRecord.objects.count() == 1
+
+
+def _http_errors() -> list[type[exceptions.IdempotencyHTTPError]]:
+    found: list[type[exceptions.IdempotencyHTTPError]] = []
+    pending = [exceptions.IdempotencyHTTPError]
+    while pending:
+        for subclass in pending.pop().__subclasses__():
+            pending.append(subclass)
+            found.append(subclass)
+    return found
+
+
+@pytest.mark.parametrize("error", _http_errors(), ids=lambda error: error.__name__)
+def test_message_says_what_to_do_and_does_not_repeat_detail(error: Any) -> None:
+    """``detail`` explains; ``message`` is the short instruction, never the same text."""
+    arguments = {"ResponseNotRetained": (200,), "TransactionInProgress": (3,)}
+    body = error(*arguments.get(error.__name__, ())).problem("urn:x:")
+    assert body["message"] != body["detail"]
+    assert len(body["message"]) <= 60, body["message"]
+    assert body["message"] not in body["detail"]

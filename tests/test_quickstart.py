@@ -8,15 +8,18 @@ blank line between them (invisible in the rendered docs):
                                               with ``log=NAME``: wait for it in process NAME's)
 ``<!-- quickstart: write <path> -->``        write the block to the file
 ``<!-- quickstart: append <path> -->``       append the block to the file
-``<!-- quickstart: serve -->``               start the block's server and wait until it answers
+``<!-- quickstart: serve -->``               start the block's server and wait until it answers;
+                                              it is started again after each later step that
+                                              writes a file, as runserver's autoreloader would
 ``<!-- quickstart: start NAME ready="..." -->``  start the block's command in the background as
                                               NAME (stopping the one of that name first, as
                                               Ctrl-C would) and wait for ``ready`` in its output
 ``<!-- quickstart: request status=N [replay=true|false] -->``  run the block's ``curl -si`` and
                                               check the status and ``Idempotent-Replay``
 
-Other pages are followed the same way with a marker word of their own
-(``tests/test_howto_celery_beat.py``: ``<!-- howto: ... -->``).
+The how-to guides are followed the same way, after this page and in the same project, with the
+marker word ``howto`` (``tests/test_howtos.py``). A shell block's output is its stdout and stderr
+together, as a terminal shows them.
 
 Only two things change on the way: the checkout's path for ``/path/to/django-idempotency`` and a
 free port for ``127.0.0.1:8000`` (a page's test may name more, see ``Reader.replacements``); and
@@ -87,6 +90,9 @@ class Reader:
     env: dict[str, str]
     port: int
     servers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    #: The command of the last ``serve`` step and where it ran, to start it again after a file
+    #: changed.
+    serving: tuple[str, Path] | None = None
     #: Processes started by ``start`` steps, and their output files, by name.
     background: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
@@ -105,7 +111,13 @@ class Reader:
         """Run a shell block where the reader stands; follow its ``cd``."""
         where = self.cwd / ".quickstart-cwd"
         output = run(
-            ["bash", "-euo", "pipefail", "-c", f'{self.literal(script)}\npwd > "{where}"'],
+            [
+                "bash",
+                "-euo",
+                "pipefail",
+                "-c",
+                f'exec 2>&1\n{self.literal(script)}\npwd > "{where}"',
+            ],
             cwd=self.cwd,
             env=self.env,
         )
@@ -113,11 +125,16 @@ class Reader:
         where.unlink()
         return output
 
-    def serve(self, command: str) -> None:
-        with (self.cwd / "server.log").open("wb") as log:
+    def serve(self, command: str, where: Path | None = None) -> None:
+        for running in self.servers:  # Ctrl-C, as before starting it again
+            stop(running)
+        self.servers.clear()
+        where = where or self.cwd
+        self.serving = (command, where)
+        with (where / "server.log").open("ab") as log:
             server = subprocess.Popen(
                 ["bash", "-c", f"exec {self.literal(command)} --noreload"],
-                cwd=self.cwd,
+                cwd=where,
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -126,7 +143,7 @@ class Reader:
         self.servers.append(server)
         deadline = time.monotonic() + 60
         while not self.answers():
-            assert server.poll() is None, (self.cwd / "server.log").read_text()
+            assert server.poll() is None, (where / "server.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "runserver did not answer within 60 s"
             time.sleep(0.2)
 
@@ -212,6 +229,8 @@ def follow(page_steps: list[Step], reader: Reader, page: Path) -> None:
             mode = "a" if step.action == "append" else "w"
             with target.open(mode) as file:
                 file.write(("\n" if mode == "a" else "") + reader.literal(step.body) + "\n")
+            if reader.serving is not None:  # runserver's autoreloader would restart it
+                reader.serve(*reader.serving)
         elif step.action == "serve":
             reader.serve(step.body)
         elif step.action == "start":

@@ -266,6 +266,18 @@ def test_any_accept_header_gets_the_answer(user_client, key):
     assert status["Content-Type"] == "application/json"
 
 
+def test_the_schema_is_generated_without_warnings() -> None:
+    """No ``unable to guess serializer`` (drf_spectacular.W002 in ``check --deploy``)."""
+    from drf_spectacular.drainage import GENERATOR_STATS
+
+    GENERATOR_STATS.reset()
+    with override_settings(REST_FRAMEWORK=SPECTACULAR):
+        SchemaGenerator(patterns=[path("api/v1/", include("django_idempotency.urls"))]).get_schema(
+            request=None, public=True
+        )
+    assert not GENERATOR_STATS, (dict(GENERATOR_STATS._error_cache), GENERATOR_STATS._warn_cache)
+
+
 def test_the_schema_documents_both_operations() -> None:
     with override_settings(REST_FRAMEWORK=SPECTACULAR):
         schema = SchemaGenerator(

@@ -319,3 +319,27 @@ def test_no_secret_of_the_route_reaches_a_child_process(
     for secret in secret_settings.SECRETS:
         assert secret.encode() not in cmdline, "a secret on the command line"
         assert secret.encode() not in environ, "a secret in the environment"
+
+
+@pytest.mark.slow
+def test_the_demo_runs_it_with_a_table_and_nothing_on_stderr(tmp_path: Any) -> None:
+    """The demo logs the app at INFO to the console, as a project that wants to see its events
+    does: the checks' own conflicts and takeovers must not print bare lines around the table."""
+    env = {
+        **{name: value for name, value in os.environ.items() if not name.startswith("DJANGO_")},
+        "DJANGO_SETTINGS_MODULE": "demo_project.settings",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'demo.sqlite3'}",
+    }
+    manage = [sys.executable, "manage.py"]
+    subprocess.run([*manage, "migrate", "-v", "0"], cwd=ROOT, env=env, check=True, timeout=300)
+    verified = subprocess.run(
+        [*manage, "idempotency_verify"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "Every check passed." in verified.stdout
+    assert verified.stderr == ""

@@ -18,7 +18,14 @@ from django.utils.dateparse import parse_datetime
 from django_idempotency.db import mysql, postgresql, sqlite
 from django_idempotency.exceptions import IdempotencyConfigurationError
 
-__all__ = ["database_now", "dialect", "to_datetime"]
+__all__ = ["database_now", "dialect", "schema_missing", "to_datetime"]
+
+#: How each backend says a table or column does not exist: PostgreSQL's SQLSTATEs
+#: (undefined_table, undefined_column), MySQL's and MariaDB's error numbers (ER_NO_SUCH_TABLE,
+#: ER_BAD_FIELD_ERROR) and SQLite's words.
+_UNDEFINED_SQLSTATES = frozenset({"42P01", "42703"})
+_UNDEFINED_MYSQL_ERRORS = frozenset({1146, 1054})
+_UNDEFINED_SQLITE_WORDS = ("no such table", "no such column", "has no column named")
 
 
 def dialect(using: str) -> ModuleType:
@@ -52,3 +59,16 @@ def to_datetime(value: Any) -> datetime:
     if not isinstance(value, datetime):
         raise TypeError(f"not a timestamp: {value!r}")
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def schema_missing(error: BaseException) -> bool:
+    """Whether a database error says a table or column does not exist: on the app's own
+    statements, that its migrations have not been applied to that database."""
+    cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
+    sqlstate = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    if sqlstate is not None:
+        return str(sqlstate) in _UNDEFINED_SQLSTATES
+    args = getattr(cause, "args", ())
+    if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+        return args[0] in _UNDEFINED_MYSQL_ERRORS
+    return any(words in str(cause) for words in _UNDEFINED_SQLITE_WORDS)

@@ -63,6 +63,13 @@ def relay_seats(count: int) -> str:
     return "SELECT " + ", ".join([f"IS_USED_LOCK({_SEAT_NAME})"] * count) + ", CONNECTION_ID()"
 
 
+#: A sweep's session lock, the sweep's name the parameter; the name carries the database, as the
+#: relay seats' do. A sweep that finds it held skips its run.
+_SWEEP_LOCK_NAME = "CONCAT('idempotency-sweep:', MD5(DATABASE()), ':', %s)"
+HOLD_SWEEP_LOCK = f"SELECT GET_LOCK({_SWEEP_LOCK_NAME}, 0)"
+LET_GO_OF_SWEEP_LOCK = f"SELECT RELEASE_LOCK({_SWEEP_LOCK_NAME})"
+
+
 #: A stable integer hash of an event key, for sharing keys between relays.
 KEY_HASH = "CRC32"
 

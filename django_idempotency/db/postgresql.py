@@ -673,6 +673,12 @@ MARKER_CLEARS_FAILURE = True
 #: Class id of the inbox locks (``INBOX_PARTITIONS``): a consumer marking a message on a
 #: partitioned inbox takes the lock of its ``(consumer, message_id)`` for the transaction first.
 INBOX_LOCK_CLASS = 1_638_184_614
+
+#: Class id of the sweeps' session locks, one per sweep (its number the second int): a sweep
+#: that finds its lock held skips its run, the previous one still doing the work.
+SWEEP_LOCK_CLASS = 1_638_184_615
+HOLD_SWEEP_LOCK = f"SELECT pg_try_advisory_lock({SWEEP_LOCK_CLASS}, %s)"
+LET_GO_OF_SWEEP_LOCK = f"SELECT pg_advisory_unlock({SWEEP_LOCK_CLASS}, %s)"
 #: Run before :func:`insert_marker` with ``partitioned``, as a statement of its own: a second
 #: consumer of the message waits here until the first one's transaction ends, and the insert's
 #: look-up (the next statement, a fresh snapshot) then sees its marker. A ``hashtext``

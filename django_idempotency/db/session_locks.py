@@ -13,6 +13,8 @@ it held is taken over at once instead of after the lease.
   the key over (``Verdict.TAKE_OVER_DEAD_OWNER``), with a new owner token as any takeover.
 * **Batches** of outbox events (``outbox/relay.py``): the relay that claims a batch holds its
   lock until the ack; between batches a relay releases the batches of relays that are gone.
+* **Sweeps**: a sweep holds its lock while it deletes, so a run that starts while the previous
+  one still works skips instead of racing it for the same rows.
 * **Seats**: each relay holds a seat, numbered from 0, on a connection of its own for as long as
   it runs. Counting the seats held in its database tells a relay how many relays run on that
   outbox and its rank among them, which is how they share the keys (``Relay._claim``); relays of
@@ -27,12 +29,13 @@ events go out again with the same event ids.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency.conf import conf
@@ -53,6 +56,7 @@ __all__ = [
     "owner_gone",
     "owner_lock_name",
     "seat_connection",
+    "sweep",
     "take_seat",
 ]
 
@@ -157,6 +161,39 @@ def batches_gone(using: str, tokens: Collection[uuid.UUID]) -> set[uuid.UUID]:
         cursor.execute(mysql.relays_gone(len(ordered)), [_batch_lock_name(t) for t in ordered])
         free = cursor.fetchone()
         return {token for token, is_free in zip(ordered, free, strict=True) if is_free}
+
+
+# --- sweeps -------------------------------------------------------------------------------------
+
+#: Each sweep's number, for its PostgreSQL advisory lock.
+_SWEEP_NUMBERS = {"idempotency_records": 1, "outbox_events": 2, "processed_messages": 3}
+
+
+@contextlib.contextmanager
+def sweep(using: str, name: str) -> Iterator[bool]:
+    """Whether this run holds the sweep's session lock (always True where there is none). A
+    session lock, not a transaction's: the sweep commits batch by batch on this connection."""
+    connection = connections[using]
+    if not enabled_on(connection):
+        yield True
+        return
+    parameter: int | str
+    if connection.vendor == "postgresql":
+        hold, let_go = postgresql.HOLD_SWEEP_LOCK, postgresql.LET_GO_OF_SWEEP_LOCK
+        parameter = _SWEEP_NUMBERS[name]
+    else:
+        hold, let_go, parameter = mysql.HOLD_SWEEP_LOCK, mysql.LET_GO_OF_SWEEP_LOCK, name
+    with connection.cursor() as cursor:
+        cursor.execute(hold, [parameter])
+        held = bool(cursor.fetchone()[0])
+    try:
+        yield held
+    finally:
+        # A session that closed or broke took the lock with it: nothing to let go of then (and
+        # a new session, opened to let go, would hold nothing).
+        if held and connection.connection is not None:
+            with contextlib.suppress(DatabaseError), connection.cursor() as cursor:
+                cursor.execute(let_go, [parameter])
 
 
 # --- relays' seats -----------------------------------------------------------------------------

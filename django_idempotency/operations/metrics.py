@@ -1,7 +1,7 @@
 """Prometheus counters and histograms fed by the signals in ``signals.py``, and the outbox
 gauges (:class:`OutboxCollector`), read from the database when scraped.
 
-Optional: ``pip install 'django-idempotency[metrics]'``. ``AppConfig.ready()`` connects the
+Optional: the ``metrics`` extra. ``AppConfig.ready()`` connects the
 receivers when ``prometheus_client`` imports; ``IDEMPOTENCY["METRICS"] = False`` makes them do
 nothing. The metrics live in prometheus_client's default registry, so whatever exposes that
 registry (``prometheus_client.start_http_server``, django-prometheus, a view of your own, or

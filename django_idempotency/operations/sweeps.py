@@ -2,10 +2,16 @@
 
 Each batch is one SELECT of at most ``batch_size`` primary keys and one DELETE of those keys that
 re-applies the sweep's condition, each its own short transaction. The re-check matters: a row
-that changed between the two (an expired key claimed again) is left alone. Concurrent sweeps are
-harmless: the second DELETE of a batch finds nothing left. So is a sweep killed half-way: the
-batches it deleted stay deleted (and counted: each sends ``rows_swept`` after its DELETE), and the
-next run starts over on what is left.
+that changed between the two (an expired key claimed again) is left alone. A sweep killed
+half-way keeps what it did: the batches it deleted stay deleted (and counted: each sends
+``rows_swept`` after its DELETE), and the next run starts over on what is left.
+
+A sweep holds a session lock of its own while it runs (PostgreSQL and MariaDB/MySQL, with
+``TAKE_OVER_DEAD_OWNERS``, which says session locks are safe on the connection): a run that
+starts while the previous one still holds the work (a big first purge slower than its interval)
+skips at once and returns None, instead of two sweeps racing over the same rows. The lock ends
+with the session, so a sweep whose worker was killed holds nothing. Without it, concurrent sweeps
+are still correct: the second DELETE of a batch finds nothing left.
 
 Age is judged by the database's clock, as claims judge it, unless the caller passes ``now``.
 """
@@ -22,7 +28,7 @@ from django.db.models import QuerySet
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
-from django_idempotency.db import database_now
+from django_idempotency.db import database_now, session_locks
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 
 __all__ = [
@@ -42,8 +48,9 @@ PROGRESS_EVERY_BATCHES = 10
 
 def sweep_expired_records(
     *, batch_size: int | None = None, now: datetime | None = None, dry_run: bool = False
-) -> int:
-    """Delete idempotency records past their TTL; returns how many (would be) deleted.
+) -> int | None:
+    """Delete idempotency records past their TTL; returns how many (would be) deleted, or None
+    when it skipped its run because the previous sweep still runs.
 
     A partitioned records table (``RECORD_PARTITIONS``) is left to retention, which drops whole
     partitions (``operations/partitions.py``): deleting row by row is the WAL, vacuum and bloat
@@ -78,7 +85,7 @@ def _left_to_retention(label: str, sweep: str) -> bool:
 
 def sweep_published_events(
     *, batch_size: int | None = None, now: datetime | None = None, dry_run: bool = False
-) -> int:
+) -> int | None:
     """Delete events published more than ``OUTBOX_RETENTION_SECONDS`` ago; a partitioned
     outbox (``OUTBOX_PARTITIONS``) is left to retention, as the records are."""
     if _left_to_retention("outbox", "outbox_events"):
@@ -96,7 +103,7 @@ def sweep_published_events(
 
 def sweep_processed_messages(
     *, batch_size: int | None = None, now: datetime | None = None, dry_run: bool = False
-) -> int:
+) -> int | None:
     """Delete consumer markers older than ``INBOX_RETENTION_SECONDS``; a partitioned inbox
     (``INBOX_PARTITIONS``) is left to retention."""
     if _left_to_retention("inbox", "processed_messages"):
@@ -113,7 +120,7 @@ def sweep_processed_messages(
 
 
 #: Every sweep by name, in the order the command runs them.
-SWEEPS: dict[str, Callable[..., int]] = {
+SWEEPS: dict[str, Callable[..., int | None]] = {
     "records": sweep_expired_records,
     "events": sweep_published_events,
     "messages": sweep_processed_messages,
@@ -128,13 +135,32 @@ def _sweep(
     batch_size: int | None,
     now: datetime | None,
     dry_run: bool,
-) -> int:
+) -> int | None:
     batch_size = batch_size or conf.SWEEP_BATCH_SIZE
     using = router.db_for_write(model)
     now = now or database_now(using)
     rows = model._default_manager.using(using).all()
     if dry_run:
         return due(rows, now).count()
+    with session_locks.sweep(using, name) as held:
+        if not held:
+            logger.info(
+                "skipped the %s sweep: the previous one still holds the work",
+                name,
+                extra={"sweep": name, "sweep_count": 0, "sweep_batches": 0, "sweep_skipped": True},
+            )
+            return None
+        return _delete(model, name, due, rows, now, batch_size)
+
+
+def _delete(
+    model: type[models.Model],
+    name: str,
+    due: Callable[[Any, datetime], QuerySet[Any]],
+    rows: QuerySet[Any],
+    now: datetime,
+    batch_size: int,
+) -> int:
     total = batches = 0
     while True:
         ids = list(due(rows, now).order_by("pk").values_list("pk", flat=True)[:batch_size])

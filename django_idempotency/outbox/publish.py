@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connections, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -32,6 +33,7 @@ from django.utils import timezone
 
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
+from django_idempotency.core.failures import describe
 from django_idempotency.db import mysql, postgresql, prepared
 from django_idempotency.exceptions import DuplicateEventId, PartitionMissing, TransactionRequired
 from django_idempotency.inbox.consumers import derived_event_id
@@ -39,7 +41,7 @@ from django_idempotency.models import OutboxEvent, OutboxKeyLock
 from django_idempotency.publishers.routing import resolve_route
 from django_idempotency.querysets import key_bucket
 
-__all__ = ["NOTIFY_CHANNEL", "kick_after_commit", "publish"]
+__all__ = ["NOTIFY_CHANNEL", "kick_after_commit", "log_kick_failure", "publish"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +78,20 @@ class _AfterCommit:
             return
         try:
             kick(self.using)
-        except Exception:
-            # The event is committed; a periodic relay pass sends it if this kick is lost.
-            logger.warning("outbox relay kick failed", exc_info=True)
+        except Exception as exc:
+            log_kick_failure(logger, exc)
+
+
+def log_kick_failure(log: logging.Logger, error: BaseException) -> None:
+    """One WARNING for a kick that did not reach the relay: the events are committed, so a lost
+    kick only delays them. The traceback (a broker client's is 40 lines) only with DEBUG."""
+    log.warning(
+        "outbox relay kick failed (%s): the events are kept in the outbox and the next relay "
+        "pass sends them (the beat schedule's relay_outbox, or outbox_relay --loop)",
+        describe(error),
+        exc_info=error if settings.DEBUG else None,
+        extra={"outbox_error": describe(error)},
+    )
 
 
 def publish(

@@ -92,11 +92,14 @@ from django_idempotency.db import (
     session_locks,
     to_datetime,
 )
-from django_idempotency.exceptions import OutboxError
+from django_idempotency.exceptions import (
+    IdempotencyConfigurationError,
+    OutboxError,
+)
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox.publish import NOTIFY_CHANNEL
 from django_idempotency.publishers.base import OutboxMessage, Publisher
-from django_idempotency.publishers.routing import PublisherSet
+from django_idempotency.publishers.routing import PublisherSet, resolve_route
 from django_idempotency.querysets import (
     UNPUBLISHED,
     BeforeInRelayOrder,
@@ -112,6 +115,7 @@ __all__ = [
     "REFUSED_ROUTE_SECONDS",
     "Relay",
     "RelayStats",
+    "RouteFailure",
     "SEND_SPAN",
     "backoff_delay",
 ]
@@ -161,6 +165,25 @@ class RelayStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+@dataclass(slots=True)
+class RouteFailure:
+    """Events of one route (``OUTBOX_PUBLISHERS`` pattern) that failed, and the last cause: what
+    an operator needs to know which broker is down and why."""
+
+    route: str
+    publisher: str
+    cause: str
+    failed: int = 0
+    dead: int = 0
+
+    def __str__(self) -> str:
+        count = self.failed + self.dead
+        events = f"{count} event{'s' if count != 1 else ''}"
+        dead = f" ({self.dead} now DEAD)" if self.dead else ""
+        via = f" ({self.publisher})" if self.publisher else ""
+        return f"{self.route}{via}: {events}{dead}, {self.cause}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +258,8 @@ class Relay:
         self._publisher_names: dict[int, str] = {}
         #: Routes whose broker refused them lately: until when, and the refusal.
         self._refused: dict[Publisher, tuple[float, BaseException]] = {}
+        #: The routes whose events failed since this relay was made, by route (see failures()).
+        self._route_failures: dict[str, RouteFailure] = {}
         #: A published batch whose outcomes the database could not take yet.
         self._unrecorded: _Outcomes | None = None
         self._next_look_for_gone_relays = 0.0
@@ -253,6 +278,24 @@ class Relay:
     def close(self) -> None:
         self.publishers.close()
         self._leave_seat()
+
+    def failures(self) -> list[RouteFailure]:
+        """Each route whose events failed since this relay was made, with the last cause."""
+        return list(self._route_failures.values())
+
+    def _count_failure(self, event: OutboxEvent, error: BaseException, dead: bool) -> None:
+        try:
+            route = f"route {resolve_route(event.topic).pattern!r}"
+        except IdempotencyConfigurationError:  # no pattern matches its topic, or a bad route
+            route = f"topic {event.topic!r} (no route)"
+        publisher = self._publisher_names.pop(event.pk, "")
+        failure = self._route_failures.setdefault(route, RouteFailure(route, publisher, ""))
+        failure.publisher = publisher or failure.publisher
+        failure.cause = _describe(error)
+        if dead:
+            failure.dead += 1
+        else:
+            failure.failed += 1
 
     def _leave_seat(self) -> None:
         seat_connection, self._seat_connection, self._seat = self._seat_connection, None, None
@@ -857,6 +900,7 @@ class Relay:
             event.locked_until = event.relay_token = None
             dead = event.status == OutboxStatus.DEAD
             extra = _log_extra(event, error)
+            self._count_failure(event, error, dead)
             signals.publish_failed.send(
                 sender=OutboxEvent,
                 event=event,

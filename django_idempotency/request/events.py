@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
+from django.db import InterfaceError, OperationalError, router
+
 from django_idempotency import signals, tracing
 from django_idempotency.conf import conf
 from django_idempotency.core.types import (
@@ -27,7 +29,8 @@ from django_idempotency.core.types import (
     Replay,
     StoredResponse,
 )
-from django_idempotency.exceptions import LeaseLost, StoreUnavailable
+from django_idempotency.db import schema_missing
+from django_idempotency.exceptions import LeaseLost, StoreNotMigrated, StoreUnavailable
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.request.keys import redact
 
@@ -43,6 +46,7 @@ __all__ = [
     "lease_lost",
     "log_fields",
     "released",
+    "store_failed",
     "store_unavailable",
 ]
 
@@ -122,6 +126,27 @@ def lease_lost(identity: Identity) -> None:
 
 def store_unavailable(identity: Identity, message: str, exc: BaseException) -> None:
     logger.warning(message, extra=log_fields(identity, "store_unavailable"), exc_info=exc)
+
+
+def store_failed(identity: Identity, exc: BaseException) -> StoreUnavailable | None:
+    """The answer to a database error while claiming, logged: ``StoreNotMigrated`` when the
+    app's tables are missing, ``StoreUnavailable`` when the database cannot be reached; None for
+    any other error, which is a bug to raise as it is."""
+    if schema_missing(exc):
+        # One line that names the fix, no traceback: the cause is known, and it repeats on
+        # every request until someone migrates.
+        logger.error(
+            "idempotency claim failed: database %r lacks django_idempotency's tables (%s); run "
+            "`manage.py migrate django_idempotency`",
+            router.db_for_write(IdempotencyRecord),
+            exc,
+            extra=log_fields(identity, "store_not_migrated"),
+        )
+        return StoreNotMigrated()
+    if isinstance(exc, OperationalError | InterfaceError):
+        store_unavailable(identity, "idempotency claim failed: database unavailable", exc)
+        return StoreUnavailable()
+    return None
 
 
 def fast_path_failed(

@@ -48,7 +48,7 @@ from functools import partial
 from typing import Any, Generic, Protocol, TypeVar, assert_never
 
 from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
-from django.db import InterfaceError, OperationalError, connections, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
 from django.http import HttpRequest, HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 
@@ -327,11 +327,11 @@ def claim(
                 ttl_seconds=ttl_seconds,
                 using=using,
             )
-        except UNAVAILABLE_ERRORS as exc:
-            events.store_unavailable(
-                identity, "idempotency claim failed: database unavailable", exc
-            )
-            raise StoreUnavailable() from exc
+        except DatabaseError as exc:
+            answer = events.store_failed(identity, exc)
+            if answer is None:
+                raise
+            raise answer from exc
     if isinstance(decision, Replay) and not decision.handed_off:
         # A key retried once is likely retried again: its next retries come from memory or
         # Redis. Copied to Redis here, at its first replay, not at its completion: most keys

@@ -86,6 +86,10 @@ class Command(BaseCommand):
             if verbosity >= 2:
                 self.stdout.write(f"Sweeping {name}...")
             count = SWEEPS[name](batch_size=batch_size, now=options["now"], dry_run=dry_run)
+            if count is None:
+                if verbosity >= 1:
+                    self.stdout.write(f"{name}: skipped, the previous sweep still runs")
+                continue
             total += count
             if verbosity >= 1:
                 self.stdout.write(f"{name}: {verb} {count}")

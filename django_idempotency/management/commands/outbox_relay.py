@@ -7,10 +7,12 @@ import threading
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
 
 from django_idempotency.conf import conf
+from django_idempotency.core.failures import describe
 from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox.relay import Relay, RelayStats
+from django_idempotency.outbox.relay import Relay, RelayStats, RouteFailure
 
 #: Exit status when some events failed to publish (they are retried later, or DEAD).
 EXIT_FAILURES = 3
@@ -62,11 +64,20 @@ class Command(BaseCommand):
             if options["loop"]:
                 self._loop(relay, options["sleep"], verbosity)
                 return
-            stats = relay.drain(max_batches=options["max_batches"])
+            try:
+                stats = relay.drain(max_batches=options["max_batches"])
+            except DatabaseError as exc:
+                raise CommandError(
+                    f"The outbox's database {relay.using!r} failed: {describe(exc)}. Nothing "
+                    "was lost: events not recorded as published are sent again by the next pass."
+                ) from exc
+            failures = relay.failures()
         self._report(stats, verbosity, always=True)
         if stats.failed or stats.dead:
             raise CommandError(
-                f"{stats.failed + stats.dead} events failed to publish; see the log.",
+                f"{stats.failed + stats.dead} events failed to publish; they stay in the outbox, "
+                "retried after their backoff (DEAD ones wait in the admin):\n"
+                + "\n".join(f"  {failure}" for failure in failures),
                 returncode=EXIT_FAILURES,
             )
 
@@ -77,17 +88,34 @@ class Command(BaseCommand):
         poll = sleep if sleep is not None else conf.OUTBOX_POLL_SECONDS
         if verbosity >= 1:
             self.stdout.write(f"Relaying outbox events (poll every {poll:g} s); Ctrl-C stops.")
-        relay.run_forever(
-            stop,
-            poll_seconds=poll,
-            on_pass=lambda stats: self._report(stats, verbosity, always=False),
-        )
+        seen: dict[str, str] = {}
+
+        def report(stats: RelayStats) -> None:
+            # A failing route is named once per cause, not on every pass of an outage.
+            new = [
+                failure
+                for failure in relay.failures()
+                if (stats.failed or stats.dead) and seen.get(failure.route) != failure.cause
+            ]
+            seen.update((failure.route, failure.cause) for failure in new)
+            self._report(stats, verbosity, always=False, failures=new)
+
+        relay.run_forever(stop, poll_seconds=poll, on_pass=report)
         if verbosity >= 1:
             self.stdout.write("Relay stopped.")
 
-    def _report(self, stats: RelayStats, verbosity: int, *, always: bool) -> None:
+    def _report(
+        self,
+        stats: RelayStats,
+        verbosity: int,
+        *,
+        always: bool,
+        failures: list[RouteFailure] | None = None,
+    ) -> None:
         if verbosity < 1 or not (always or stats.claimed or verbosity >= 3):
             return
         line = ", ".join(f"{value} {name}" for name, value in stats.as_dict().items())
         style = self.style.WARNING if stats.failed or stats.dead else self.style.SUCCESS
         self.stdout.write(style(line))
+        for failure in failures or ():
+            self.stdout.write(self.style.WARNING(f"  {failure}"))

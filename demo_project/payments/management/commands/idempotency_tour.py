@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import logging
 import threading
 import time
 import uuid
@@ -219,11 +220,17 @@ class Command(BaseCommand):
             self.refund_and_retry,
             self.events_once,
         ]
+        # The client logs each retry at INFO, which the demo's LOGGING prints for the server's
+        # sake; the tour reports the retries in its own lines instead.
+        client_log = logging.getLogger("django_idempotency.client")
+        level = client_log.level
+        client_log.setLevel(logging.WARNING)
         try:
             for number, step in enumerate(steps, start=1):
                 self.stdout.write(self.style.MIGRATE_HEADING(f"{number}. {step.__doc__}"))
                 step()
         finally:
+            client_log.setLevel(level)
             self.retrying.close()
 
         after = self.client.balances()
