@@ -12,6 +12,8 @@ import pytest
 from django.core.exceptions import RequestDataTooBig
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.handlers.wsgi import WSGIRequest
+from django.core.signals import request_finished
+from django.db import close_old_connections
 from django.http import HttpResponse
 from django.test import RequestFactory, override_settings
 from hypothesis import given, settings
@@ -154,9 +156,17 @@ def streamed(
 
 
 def read_back(request: WSGIRequest) -> bytes:
-    """What the view reads after the fingerprint, then what the server closes with it."""
+    """What the view reads after the fingerprint, then what the server closes with it.
+
+    Closing a response sends ``request_finished``; as Django's own test client does, the
+    database connections are left alone (a test without the database may not touch one that
+    an earlier test of the process opened)."""
     body = request.read()
-    hand_over_cleanup(request, HttpResponse()).close()
+    request_finished.disconnect(close_old_connections)
+    try:
+        hand_over_cleanup(request, HttpResponse()).close()
+    finally:
+        request_finished.connect(close_old_connections)
     return body
 
 
