@@ -4,7 +4,7 @@ A filter answers "certainly never seen" or "maybe seen". What that could skip, p
 
 * first-time key, database only: nothing. The claim is one statement that both looks and
   inserts; the insert is the lease, so a key known to be new still needs it.
-* first-time key with Redis: the ``GET`` that misses before the claim (``cache.lookup``).
+* first-time key with Redis: the ``GET`` that misses before the claim (``redis_copy.lookup``).
 * consumer deduplication (``consume_once``): nothing on a new message (the marker insert is the
   record that makes the next delivery a duplicate, and commits with the handler); on a
   duplicate, "maybe seen" must still be confirmed by the database.
@@ -113,7 +113,7 @@ def child(iterations: int) -> None:
     from django_idempotency.core import types
     from django_idempotency.inbox import consume_once
     from django_idempotency.models import IdempotencyRecord, ProcessedMessage
-    from django_idempotency.request import cache, lifecycle
+    from django_idempotency.request import lifecycle, redis_copy
 
     def view() -> HttpResponse:
         return HttpResponse(b'{"id": 1}', status=201, content_type="application/json")
@@ -151,7 +151,7 @@ def child(iterations: int) -> None:
         lifecycle.run(replay_key_first.lease, view)
         redis_timings = timed(
             {
-                "redis_get_miss": lambda: cache.lookup(identity(str(uuid.uuid4()))),
+                "redis_get_miss": lambda: redis_copy.lookup(identity(str(uuid.uuid4()))),
                 "redis_filter_check": lambda: check(
                     keys=[bitmap], args=bloom.offsets(str(uuid.uuid4()))
                 ),

@@ -47,6 +47,7 @@ from django.test import override_settings  # noqa: E402
 
 from benchmarks.relay_throughput import fill  # noqa: E402
 from django_idempotency.conf import conf  # noqa: E402
+from django_idempotency.db.querysets import OutboxStatus  # noqa: E402
 from django_idempotency.exceptions import PublishError  # noqa: E402
 from django_idempotency.models import OutboxEvent  # noqa: E402
 from django_idempotency.outbox import publish  # noqa: E402
@@ -55,7 +56,6 @@ from django_idempotency.publishers.amqp import AMQPPublisher  # noqa: E402
 from django_idempotency.publishers.base import OutboxMessage, Publisher  # noqa: E402
 from django_idempotency.publishers.celery import CeleryPublisher  # noqa: E402
 from django_idempotency.publishers.memory import MemoryPublisher  # noqa: E402
-from django_idempotency.querysets import OutboxStatus  # noqa: E402
 
 #: (monotonic ns, event id) for every message this process published.
 SENT: list[tuple[int, str]] = []

@@ -94,7 +94,7 @@ REST_FRAMEWORK: dict[str, Any] = {
     # The browsable API with an Idempotency-Key field, so its forms can pay and refund.
     "DEFAULT_RENDERER_CLASSES": [
         "rest_framework.renderers.JSONRenderer",
-        "django_idempotency.browsable.IdempotentBrowsableAPIRenderer",
+        "django_idempotency.drf.browsable.IdempotentBrowsableAPIRenderer",
     ],
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from django_idempotency.functions import idempotent_function
+    from django_idempotency.request.idempotent_function import idempotent_function
 
 __version__ = "0.1.0"
 
@@ -16,7 +16,7 @@ def __getattr__(name: str) -> Any:
     # Imported on first use, not with the package: the decorator's module reaches the models,
     # which must not load before Django's app registry.
     if name == "idempotent_function":
-        from django_idempotency.functions import idempotent_function
+        from django_idempotency.request.idempotent_function import idempotent_function
 
         return idempotent_function
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,7 +43,13 @@ from django_idempotency.conf import conf
 from django_idempotency.core import leases, statuses
 from django_idempotency.core.failures import FINGERPRINT_LENGTH, FailureKind, normalise
 from django_idempotency.db import database_now
-from django_idempotency.inbox.operator import forget_failed_messages
+from django_idempotency.db.querysets import (
+    ACCEPTED,
+    PROCESSING,
+    FailedMessageQuerySet,
+    OutboxEventQuerySet,
+    OutboxStatus,
+)
 from django_idempotency.models import (
     FailedMessage,
     IdempotencyRecord,
@@ -51,13 +57,10 @@ from django_idempotency.models import (
     ProcessedMessage,
 )
 from django_idempotency.operations import health
-from django_idempotency.operations.actions import ReleaseResult, release_records
-from django_idempotency.querysets import (
-    ACCEPTED,
-    PROCESSING,
-    FailedMessageQuerySet,
-    OutboxEventQuerySet,
-    OutboxStatus,
+from django_idempotency.operations.actions import (
+    ReleaseResult,
+    forget_failed_messages,
+    release_records,
 )
 
 __all__ = [

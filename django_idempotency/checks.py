@@ -194,12 +194,12 @@ E084 = "django_idempotency.E084"  # the app's tables are missing or its migratio
 W080 = "django_idempotency.W080"  # RECORD_PARTITIONS on, the records table is still plain
 W081 = "django_idempotency.W081"  # the next partition of the records table does not exist yet
 
-MIDDLEWARE = "django_idempotency.middleware.IdempotencyMiddleware"
+MIDDLEWARE = "django_idempotency.request.middleware.IdempotencyMiddleware"
 _AUTHENTICATION_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
 _DJANGO_REDIS_BACKEND = "django_redis.cache.RedisCache"
 _SESSION_AUTHENTICATION = "rest_framework.authentication.SessionAuthentication"
-#: The default resolver, and the deprecated path it was documented under.
-_DEFAULT_RESOLVERS = frozenset({DEFAULTS["SCOPE_RESOLVER"], "django_idempotency.scopes.user_scope"})
+#: The default resolver.
+_DEFAULT_RESOLVERS = frozenset({DEFAULTS["SCOPE_RESOLVER"]})
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 #: Redis and SQS redeliver an unacknowledged message after this long (their default).
 _DEFAULT_VISIBILITY_TIMEOUT = 3600

@@ -77,7 +77,7 @@ DEFAULTS: dict[str, Any] = {
     # Redis fast path: the django-redis cache alias to use, or None for the database only.
     "CACHE_ALIAS": None,
     "CACHE_RETRY_SECONDS": 5,
-    # Answers kept in this process's memory for a retry storm (request/recent.py); 0: none.
+    # Answers kept in this process's memory for a retry storm (request/memory.py); 0: none.
     "LOCAL_REPLAY_SECONDS": 0,
     "LOCAL_REPLAY_ENTRIES": 1000,
     # Operations: admin registration, Prometheus metrics, OpenTelemetry spans.

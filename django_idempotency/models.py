@@ -8,7 +8,7 @@ from django.utils.translation import gettext_lazy as _
 
 from django_idempotency.core.failures import FailureKind
 from django_idempotency.core.types import MAX_KEY_LENGTH, MAX_SCOPE_LENGTH
-from django_idempotency.querysets import (
+from django_idempotency.db.querysets import (
     FailedMessageQuerySet,
     IdempotencyRecordQuerySet,
     OutboxEventQuerySet,
@@ -198,7 +198,7 @@ class OutboxEvent(models.Model):
     last_error = models.TextField(
         _("last error"), blank=True, default="", help_text=_("Why the last attempt failed.")
     )
-    # Deprecated: kept (always 0) because the relay index starts with it; see querysets.py.
+    # Deprecated: kept (always 0) because the relay index starts with it; see db/querysets.py.
     transaction_id = models.BigIntegerField(
         _("transaction id"),
         default=0,

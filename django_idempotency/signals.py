@@ -107,8 +107,8 @@ events_discarded = Signal()
 duplicate_skipped = Signal()
 
 #: An operator forgot the records of failed messages (the admin's action,
-#: ``inbox.operator.forget_failed_messages``); sent with ``sender`` = FailedMessage once the last
-#: batch committed. kwargs: ``count``, ``failure_group`` (a fingerprint, or None).
+#: ``operations.actions.forget_failed_messages``); sent with ``sender`` = FailedMessage once
+#: the last batch committed. kwargs: ``count``, ``failure_group`` (a fingerprint, or None).
 failures_forgotten = Signal()
 
 # --- Sweeps. Sent with ``sender`` = the model swept. --------------------------------------------

@@ -1,7 +1,7 @@
 """``include("django_idempotency.urls")``: status and result by key
 (``docs/howto/status-by-key.md``).
 
-The DRF views (``drf_views.py``) when DRF is installed, so token and session clients are scoped
+The DRF views (``drf/views.py``) when DRF is installed, so token and session clients are scoped
 after DRF's authentication as their writes were; the plain Django views (``views.py``) otherwise.
 """
 
@@ -13,9 +13,9 @@ from importlib.util import find_spec
 from django.urls import re_path
 
 _views = import_module(
-    "django_idempotency.drf_views"
+    "django_idempotency.drf.views"
     if find_spec("rest_framework") is not None
-    else "django_idempotency.views"
+    else "django_idempotency.request.status"
 )
 
 #: Any characters: a key may hold what a path converter would refuse (a newline is not a valid

@@ -13,7 +13,7 @@ from hypothesis import settings as hypothesis_settings
 from rest_framework.test import APIClient
 
 from django_idempotency import signals
-from django_idempotency.request import cache
+from django_idempotency.request import redis_copy
 from tests.backends import backends_required, service_url
 from tests.redis_cluster import LocalRedisCluster
 from tests.testapp import views
@@ -31,7 +31,7 @@ ONCE = frozenset(
     {
         "test_admin_browser", "test_body_bounds", "test_browsable", "test_celery_beat",
         "test_checks", "test_checks_operations", "test_client", "test_conf",
-        "test_deprecations", "test_docs", "test_failures", "test_fastpath_checks",
+        "test_docs", "test_failures", "test_fastpath_checks",
         "test_fingerprint", "test_function_view_csrf", "test_howtos", "test_checks_deploy",
         "test_key_message", "test_keys", "test_metrics_multiprocess", "test_nats",
         "test_openapi", "test_outbox_checks", "test_packaging", "test_ports", "test_proxy",
@@ -120,9 +120,9 @@ def amqp_url() -> str:
 @pytest.fixture(autouse=True)
 def fast_path_awake() -> Iterator[None]:
     """A Redis error in one test must not leave the fast path resting in the next."""
-    cache._resting_until.clear()
+    redis_copy._resting_until.clear()
     yield
-    cache._resting_until.clear()
+    redis_copy._resting_until.clear()
 
 
 ON_POSTGRESQL = settings.DATABASES["default"]["ENGINE"].endswith("postgresql")

@@ -9,7 +9,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
 
-from django_idempotency.decorators import idempotent
+from django_idempotency.request.decorators import idempotent
 from tests.testapp.models import Widget
 
 

@@ -16,8 +16,8 @@ from factory.django import DjangoModelFactory
 
 from django_idempotency.core.failures import FailureKind
 from django_idempotency.core.types import Identity
+from django_idempotency.db.querysets import ACCEPTED, COMPLETED, PROCESSING, OutboxStatus
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
-from django_idempotency.querysets import ACCEPTED, COMPLETED, PROCESSING, OutboxStatus
 
 
 def _ago(seconds: float):

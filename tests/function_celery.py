@@ -27,7 +27,7 @@ django.setup()
 
 from django_idempotency import idempotent_function  # noqa: E402
 from django_idempotency.exceptions import IdempotentCallInProgress  # noqa: E402
-from django_idempotency.handoff import handed_off  # noqa: E402
+from django_idempotency.request.handoff import handed_off  # noqa: E402
 from tests.testapp.models import Widget  # noqa: E402
 
 #: How long a held task waits at most: the test kills the worker long before.

@@ -95,7 +95,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
-    "django_idempotency.middleware.IdempotencyMiddleware",
+    "django_idempotency.request.middleware.IdempotencyMiddleware",
 ]
 ROOT_URLCONF = "tests.testapp.urls"
 STATIC_URL = "static/"

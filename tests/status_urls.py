@@ -3,7 +3,7 @@ views, DRF being installed), and the plain Django views under ``plain-keys/``.""
 
 from django.urls import include, path
 
-from django_idempotency import views
+from django_idempotency.request import status as views
 from tests.testapp.urls import urlpatterns as testapp_urlpatterns
 
 urlpatterns = [

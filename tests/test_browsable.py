@@ -13,8 +13,8 @@ from rest_framework.response import Response
 from rest_framework.test import APIRequestFactory
 from rest_framework.views import APIView
 
-from django_idempotency.browsable import IdempotentBrowsableAPIRenderer
 from django_idempotency.drf import IdempotencyMixin
+from django_idempotency.drf.browsable import IdempotentBrowsableAPIRenderer
 
 pytestmark = pytest.mark.django_db
 

@@ -29,7 +29,7 @@ from django_idempotency import signals
 from django_idempotency.core.types import Decision, Identity, Mismatch, Proceed, Replay
 from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.request import cache, lifecycle
+from django_idempotency.request import lifecycle, redis_copy
 from tests.ports import free_port
 from tests.testapp.models import Widget
 from tests.testapp.views import WidgetAPIView
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 ALIAS = "idempotency-fast"
 
 
-CLUSTER_FACTORY = "django_idempotency.redis_cluster.ClusterConnectionFactory"
+CLUSTER_FACTORY = "django_idempotency.request.redis_cluster.ClusterConnectionFactory"
 
 
 def configure(settings: Any, location: str, *, cluster: bool = False, **idempotency: Any) -> str:
@@ -94,7 +94,7 @@ def post(client: APIClient, key: str, name: str = "a", **extra: Any) -> Any:
 
 
 def entry(redis: Any, scope: str, key: str) -> bytes | None:
-    value: bytes | None = redis.get(cache.redis_key(scope, key))
+    value: bytes | None = redis.get(redis_copy.redis_key(scope, key))
     return value
 
 
@@ -139,7 +139,7 @@ def test_one_redis_command_before_the_view_and_none_after_it(redis, client, key,
     answer, then the copy (SET). Every later replay: a GET."""
     sent: list[str] = []
     # The client this thread sends its commands with (its own connection, on standalone Redis).
-    sender = cache._client()
+    sender = redis_copy._client()
     send = sender.execute_command
 
     def recording(*args: Any, **options: Any) -> Any:
@@ -157,7 +157,7 @@ def test_one_redis_command_before_the_view_and_none_after_it(redis, client, key,
 
 def test_copy_expires_no_later_than_the_record(redis, key):
     complete_and_retry(identity(key))
-    copy_ms = redis.pttl(cache.redis_key("tenant", key))
+    copy_ms = redis.pttl(redis_copy.redis_key("tenant", key))
     record = IdempotencyRecord.objects.get(key=key)
     assert 0 < copy_ms <= 86_400_000
     ttl = (record.expires_at - record.completed_at).total_seconds()
@@ -207,16 +207,16 @@ def test_replay_never_crosses_scopes(redis, key):
 
 
 def test_scope_and_key_cannot_collide_in_the_redis_name():
-    assert cache.redis_key("a:b", "c") != cache.redis_key("a", "b:c")
+    assert redis_copy.redis_key("a:b", "c") != redis_copy.redis_key("a", "b:c")
 
 
 def test_one_scopes_copies_are_found_by_the_scope_digest(redis, key):
     """How an operator finds every copy of one scope (docs/redis.md): ``SCAN`` on its digest."""
     for scope, suffix in [("tenant-a", "1"), ("tenant-a", "2"), ("tenant-b", "1")]:
         complete_and_retry(identity(f"{key}-{suffix}", scope=scope))
-    digest = cache.hash_tag("tenant-a", "").partition(":")[0]
+    digest = redis_copy.hash_tag("tenant-a", "").partition(":")[0]
     found = {name.decode() for name in redis.scan_iter(f"*idem:{{{digest}:*}}:{key}-*")}
-    assert found == {cache.redis_key("tenant-a", f"{key}-{n}") for n in (1, 2)}
+    assert found == {redis_copy.redis_key("tenant-a", f"{key}-{n}") for n in (1, 2)}
 
 
 def test_other_fingerprint_is_refused_by_the_database_not_replayed(redis, client, key):
@@ -236,7 +236,7 @@ def test_missing_redis_entry_falls_back_to_the_database(
     redis, client, key, django_assert_max_num_queries
 ):
     first = post(client, key)
-    redis.delete(cache.redis_key("anonymous", key))
+    redis.delete(redis_copy.redis_key("anonymous", key))
     with django_assert_max_num_queries(2):
         second = post(client, key)
     assert second["Idempotent-Replay"] == "true"
@@ -245,7 +245,7 @@ def test_missing_redis_entry_falls_back_to_the_database(
 
 def test_unreadable_entry_falls_back_to_the_database(redis, client, key):
     first = post(client, key)
-    redis.set(cache.redis_key("anonymous", key), b"C{not json\nbody")
+    redis.set(redis_copy.redis_key("anonymous", key), b"C{not json\nbody")
     second = post(client, key)
     assert second["Idempotent-Replay"] == "true"
     assert second.content == first.content
@@ -439,12 +439,12 @@ def test_a_released_key_copy_is_deleted_even_while_resting(
 ):
     idempotency_settings(CACHE_RETRY_SECONDS=60)
     private_redis.stop()
-    assert cache.lookup(identity(key)) is None
+    assert redis_copy.lookup(identity(key)) is None
     private_redis.start()
     client = get_redis_connection(ALIAS)
-    client.set(cache.redis_key("s", key), b"stale copy")
+    client.set(redis_copy.redis_key("s", key), b"stale copy")
     signals.key_released.send(sender=IdempotencyRecord, scope="s", key=key, reason="admin")
-    assert client.get(cache.redis_key("s", key)) is None
+    assert client.get(redis_copy.redis_key("s", key)) is None
     assert [failure["operation"] for failure in failures] == ["lookup"]
 
 
@@ -458,7 +458,7 @@ def test_failed_forget_is_reported_loudly(private_redis, failures, key):
 
 
 def held_connection() -> Any:
-    client = cache._client()
+    client = redis_copy._client()
     return client, client.connection
 
 
@@ -466,7 +466,7 @@ def test_a_thread_keeps_one_connection_of_the_caches_pool(settings, redis_url, k
     configure(settings, redis_url)
     client, connection = held_connection()
     for _ in range(3):
-        assert cache.lookup(identity(key)) is None
+        assert redis_copy.lookup(identity(key)) is None
     assert held_connection() == (client, connection)
     # The cache's own connection settings: the pool is the cache's.
     assert client.connection_pool is get_redis_connection(ALIAS).connection_pool
@@ -488,13 +488,13 @@ def test_a_thread_asks_django_for_the_cache_and_its_client_once(
 
     monkeypatch.setattr(django_redis, "get_redis_connection", counted)
     for _ in range(3):
-        assert cache.lookup(identity(key)) is None
+        assert redis_copy.lookup(identity(key)) is None
     assert asked == [ALIAS]
     # A settings change (another KEY_PREFIX, here) is looked up afresh.
     prefix = configure(settings, redis_url)
-    assert cache.lookup(identity(key)) is None
+    assert redis_copy.lookup(identity(key)) is None
     assert asked == [ALIAS, ALIAS]
-    assert cache.redis_key("s", "k").startswith(prefix)
+    assert redis_copy.redis_key("s", "k").startswith(prefix)
 
 
 def test_each_thread_has_a_connection_of_its_own(settings, redis_url, key):
@@ -519,12 +519,12 @@ def test_a_forked_process_or_another_redis_takes_a_new_connection(
     # Another Redis (database 3): django-redis gives the cache a pool of its own.
     configure(settings, urlsplit(redis_url)._replace(path="/3").geturl())
     assert held_connection()[0] is not after_fork
-    assert cache.lookup(identity(key)) is None
+    assert redis_copy.lookup(identity(key)) is None
 
 
 def test_a_cluster_client_is_used_as_the_cache_gives_it(settings, redis_cluster):
     configure(settings, redis_cluster.url, cluster=True)
-    assert cache._client() is get_redis_connection(ALIAS)
+    assert redis_copy._client() is get_redis_connection(ALIAS)
 
 
 @pytest.mark.concurrency
@@ -582,7 +582,7 @@ def test_a_retry_after_a_500_runs_at_once_whatever_redis_did(
     monkeypatch.undo()
     if private_redis.process is None:
         private_redis.start()
-    cache._resting_until.clear()  # Redis answers again and the process uses it at once
+    redis_copy._resting_until.clear()  # Redis answers again and the process uses it at once
     retry = post(client, key, name="a")
     assert retry.status_code == 201, retry.content
     assert retry["Idempotent-Replay"] == "false"

@@ -116,7 +116,7 @@ def test_the_production_page_is_linked_from_the_home_page() -> None:
 def _exported_metric_names() -> set[str]:
     from prometheus_client import REGISTRY
 
-    from django_idempotency.operations import metrics
+    from django_idempotency.observability import metrics
 
     names: set[str] = set()
     for family in [*REGISTRY.collect(), *metrics.OutboxCollector().describe()]:

@@ -231,7 +231,9 @@ def test_unseen_credentials_can_be_refused(http, door, key, token_users, idempot
 
 def test_a_csrf_failure_is_not_stored(key, settings):
     # CSRF checks before the idempotency middleware, as the docs ask.
-    position = settings.MIDDLEWARE.index("django_idempotency.middleware.IdempotencyMiddleware")
+    position = settings.MIDDLEWARE.index(
+        "django_idempotency.request.middleware.IdempotencyMiddleware"
+    )
     settings.MIDDLEWARE = [
         *settings.MIDDLEWARE[:position],
         "django.middleware.csrf.CsrfViewMiddleware",

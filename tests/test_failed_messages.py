@@ -1,5 +1,5 @@
 """Failed inbox messages: what ``consume_once`` records when a handler raises, when the record
-goes, and forgetting records (``inbox.operator.forget_failed_messages``)."""
+goes, and forgetting records (``operations.actions.forget_failed_messages``)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from django.db import DatabaseError, connection, connections, transaction
 
 from django_idempotency import signals
 from django_idempotency.core.failures import fingerprint_of
+from django_idempotency.db.querysets import FailedMessageQuerySet
 from django_idempotency.inbox import consume_once
-from django_idempotency.inbox.operator import forget_failed_messages
 from django_idempotency.models import FailedMessage, ProcessedMessage
-from django_idempotency.querysets import FailedMessageQuerySet
+from django_idempotency.operations.actions import forget_failed_messages
 from tests.metrics_support import SampleDelta
 from tests.testapp.models import Widget
 
@@ -202,7 +202,7 @@ def test_forgetting_records_is_batched_announced_and_counted(caplog):
         seen.append((count, failure_group))
 
     signals.failures_forgotten.connect(receiver)
-    caplog.set_level(logging.INFO, logger="django_idempotency.inbox.operator")
+    caplog.set_level(logging.INFO, logger="django_idempotency.operations.actions")
     fingerprint = fingerprint_of("LedgerDown: down")
     try:
         group = FailedMessage.objects.in_failure_group(fingerprint)

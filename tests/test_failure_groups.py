@@ -323,7 +323,7 @@ def test_group_actions_are_announced_logged_and_counted(caplog):
 
     signals.events_retried.connect(on_retried)
     signals.events_discarded.connect(on_discarded)
-    caplog.set_level(logging.INFO, logger="django_idempotency.outbox.operator")
+    caplog.set_level(logging.INFO, logger="django_idempotency.operations.actions")
     try:
         refused, unroutable = fingerprint_of(REFUSED), fingerprint_of(UNROUTABLE)
         retry_failure_group(FailureGroupSelection(refused))

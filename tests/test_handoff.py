@@ -21,9 +21,9 @@ from django.db import connection, transaction
 from django.test import Client
 
 from django_idempotency.core.statemachine import ACCEPTED, COMPLETED
-from django_idempotency.handoff import HAND_OFF_ARGUMENT, handed_off
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
 from django_idempotency.request import attach
+from django_idempotency.request.handoff import HAND_OFF_ARGUMENT, handed_off
 from tests.testapp import handoff
 from tests.testapp.models import Widget
 

@@ -25,7 +25,7 @@ from django.db import connection, connections, transaction
 from django_idempotency import idempotent_function as exported
 from django_idempotency.core.types import Identity, Proceed
 from django_idempotency.db import database_now
-from django_idempotency.decorators import idempotent_function
+from django_idempotency.db.querysets import COMPLETED
 from django_idempotency.exceptions import (
     IdempotentCallInProgress,
     IdempotentCallKeyInvalid,
@@ -33,10 +33,10 @@ from django_idempotency.exceptions import (
     IdempotentResultNotStorable,
     LeaseLost,
 )
-from django_idempotency.functions import CALL_METHOD, RESULT_CONTENT_TYPE
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.querysets import COMPLETED
 from django_idempotency.request import lifecycle
+from django_idempotency.request.decorators import idempotent_function
+from django_idempotency.request.idempotent_function import CALL_METHOD, RESULT_CONTENT_TYPE
 from tests.factories import age_record, held_elsewhere
 from tests.testapp.models import Widget
 
@@ -603,7 +603,7 @@ def test_with_the_redis_fast_path_a_repeat_is_replayed_without_a_query(
 ):
     from django_redis import get_redis_connection
 
-    from django_idempotency.request import cache
+    from django_idempotency.request import redis_copy
     from tests.test_cache import ALIAS, configure
 
     prefix = configure(settings, redis_url)
@@ -616,7 +616,7 @@ def test_with_the_redis_fast_path_a_repeat_is_replayed_without_a_query(
             return {"n": n}
 
         assert cached(1) == {"n": 1}
-        copy = cache.redis_key(scope_of(cached), "1")
+        copy = redis_copy.redis_key(scope_of(cached), "1")
         assert client.pttl(copy) < 0  # no copy until the first repeat
         assert cached(1) == {"n": 1}  # from the database, then copied to Redis
         assert 0 < client.pttl(copy) <= 600_000  # the copy expires with the function's TTL

@@ -22,8 +22,8 @@ from django.db import connection
 from django.test import Client
 from kombu import Connection, Queue
 
+from django_idempotency.db.querysets import COMPLETED
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
-from django_idempotency.querysets import COMPLETED
 from tests.outbox_support import database_env
 from tests.reliability.outbox_helpers import Child, queue_depth, wait_until
 from tests.testapp.models import Widget

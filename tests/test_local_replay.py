@@ -1,5 +1,5 @@
 """Answers kept in the process's memory for a retry storm (``LOCAL_REPLAY_SECONDS``,
-``request/recent.py``): replays without a query, on every door, and never past what the
+``request/memory.py``): replays without a query, on every door, and never past what the
 record allows: another caller, another request, the record's expiry, a release, the size bound.
 """
 
@@ -16,7 +16,7 @@ from django.test import Client
 from django_idempotency.core.types import Identity, StoredResponse
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations.actions import release_records
-from django_idempotency.request import cache, recent
+from django_idempotency.request import memory, redis_copy
 from tests.factories import UserFactory
 from tests.test_cache import configure
 from tests.test_doors import ALL, send
@@ -57,7 +57,7 @@ def test_off_by_default_every_retry_asks_the_database(key, django_assert_num_que
     assert send(http, "mixin", key, name="a").status_code == 201
     with django_assert_num_queries(1):
         assert send(http, "mixin", key, name="a")["Idempotent-Replay"] == "true"
-    assert recent.lookup(identity(key, "anonymous")) is None
+    assert memory.lookup(identity(key, "anonymous")) is None
 
 
 def test_a_database_replay_is_kept_too(key, kept, idempotency_settings, django_assert_num_queries):
@@ -89,23 +89,23 @@ def test_a_kept_answer_never_crosses_callers(key, kept):
 
 
 def test_nothing_is_kept_past_the_records_expiry(key, kept):
-    recent.remember(identity(key), StoredResponse(201, [], b"soon gone"), expires_in=0.05)
-    assert recent.lookup(identity(key)) is not None
+    memory.remember(identity(key), StoredResponse(201, [], b"soon gone"), expires_in=0.05)
+    assert memory.lookup(identity(key)) is not None
     time.sleep(0.1)
-    assert recent.lookup(identity(key)) is None
+    assert memory.lookup(identity(key)) is None
     # An expiry that is not known keeps nothing; one already past keeps nothing either.
-    recent.remember(identity(key), StoredResponse(201, [], b"x"), expires_in=None)
-    recent.remember(identity(key, "other"), StoredResponse(201, [], b"x"), expires_in=-1)
-    assert recent.lookup(identity(key)) is None
-    assert recent.lookup(identity(key, "other")) is None
+    memory.remember(identity(key), StoredResponse(201, [], b"x"), expires_in=None)
+    memory.remember(identity(key, "other"), StoredResponse(201, [], b"x"), expires_in=-1)
+    assert memory.lookup(identity(key)) is None
+    assert memory.lookup(identity(key, "other")) is None
 
 
 def test_nothing_is_kept_longer_than_the_setting(key, idempotency_settings):
     idempotency_settings(LOCAL_REPLAY_SECONDS=0.05)
-    recent.remember(identity(key), StoredResponse(201, [], b"x"), expires_in=3600)
-    assert recent.lookup(identity(key)) is not None
+    memory.remember(identity(key), StoredResponse(201, [], b"x"), expires_in=3600)
+    assert memory.lookup(identity(key)) is not None
     time.sleep(0.1)
-    assert recent.lookup(identity(key)) is None
+    assert memory.lookup(identity(key)) is None
 
 
 def test_a_release_in_this_process_is_seen_at_once(key, kept):
@@ -122,20 +122,20 @@ def test_a_release_in_this_process_is_seen_at_once(key, kept):
 def test_the_least_recently_used_answer_goes_first(idempotency_settings):
     idempotency_settings(LOCAL_REPLAY_SECONDS=30, LOCAL_REPLAY_ENTRIES=2)
     for name in ("a", "b"):
-        recent.remember(identity(name), StoredResponse(201, [], name.encode()), expires_in=60)
-    assert recent.lookup(identity("a")) is not None  # a is now the most recently used
-    recent.remember(identity("c"), StoredResponse(201, [], b"c"), expires_in=60)
-    assert recent.lookup(identity("b")) is None
-    assert recent.lookup(identity("a")) is not None
-    assert recent.lookup(identity("c")) is not None
+        memory.remember(identity(name), StoredResponse(201, [], name.encode()), expires_in=60)
+    assert memory.lookup(identity("a")) is not None  # a is now the most recently used
+    memory.remember(identity("c"), StoredResponse(201, [], b"c"), expires_in=60)
+    assert memory.lookup(identity("b")) is None
+    assert memory.lookup(identity("a")) is not None
+    assert memory.lookup(identity("c")) is not None
 
 
 def test_a_redis_copys_expiry_is_never_later_than_its_records(monkeypatch):
     """The copy carries its record's expiry to the millisecond, rounded down: read at once, it
     never says the record lives longer than it does."""
-    encoded = cache._encode("f", StoredResponse(201, [], b"{}"), expires_at=1120.0006)
-    monkeypatch.setattr(cache, "time", SimpleNamespace(time=lambda: 1000.0))
-    replay = cache._decode(encoded, "f")
+    encoded = redis_copy._encode("f", StoredResponse(201, [], b"{}"), expires_at=1120.0006)
+    monkeypatch.setattr(redis_copy, "time", SimpleNamespace(time=lambda: 1000.0))
+    replay = redis_copy._decode(encoded, "f")
     assert replay is not None and replay.expires_in is not None
     assert 119.999 <= replay.expires_in <= 120.0006
 
@@ -143,7 +143,7 @@ def test_a_redis_copys_expiry_is_never_later_than_its_records(monkeypatch):
 def test_a_redis_copy_carries_its_records_expiry(key, settings, redis_url):
     configure(settings, redis_url)
     stored = StoredResponse(201, [("Content-Type", "application/json")], b"{}")
-    cache.remember(identity(key), stored, ttl_seconds=120)
-    replay = cache.lookup(identity(key))
+    redis_copy.remember(identity(key), stored, ttl_seconds=120)
+    replay = redis_copy.lookup(identity(key))
     assert replay is not None and replay.response == stored
     assert replay.expires_in is not None and 110 < replay.expires_in <= 120

@@ -10,10 +10,10 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency.core import types
+from django_idempotency.db.querysets import PROCESSING
 from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import release_records
-from django_idempotency.querysets import PROCESSING
 from django_idempotency.request import lifecycle
 from tests.factories import age_record
 from tests.metrics_support import SampleDelta

@@ -18,6 +18,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 from django_idempotency import checks
+from django_idempotency.db.querysets import OutboxStatus
 from django_idempotency.exceptions import (
     BrokerConfigurationError,
     BrokerUnavailable,
@@ -29,7 +30,6 @@ from django_idempotency.models import OutboxEvent, ProcessedMessage
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.base import OutboxMessage
 from django_idempotency.publishers.nats import NATSPublisher, subject_problem
-from django_idempotency.querysets import OutboxStatus
 from tests.nats_support import PrivateServer, Stream, nats_url, private_server, run, stream
 from tests.outbox_support import publish_committed, settings_with, wait_for
 from tests.servers import free_port

@@ -23,16 +23,16 @@ from rest_framework.decorators import api_view, schema
 from rest_framework.response import Response
 from rest_framework.routers import SimpleRouter
 
-from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
-from django_idempotency.exceptions import IdempotencyKeyInvalid
-from django_idempotency.openapi import (
+from django_idempotency.drf.openapi import (
     DRF_ERRORS_COMPONENT,
     KEY_PATTERN,
     PROBLEM_COMPONENT,
     IdempotentAutoSchema,
     IdempotentSchemaMixin,
 )
+from django_idempotency.exceptions import IdempotencyKeyInvalid
+from django_idempotency.request.decorators import idempotent
 from django_idempotency.request.keys import parse_key
 from tests.testapp.models import Widget
 from tests.testapp.views import WidgetSerializer, WidgetViewSet
@@ -199,7 +199,7 @@ def test_the_parameter_follows_the_settings(required: bool) -> None:
 def test_the_app_registers_the_extension_when_drf_spectacular_is_installed() -> None:
     # In a fresh interpreter, so that no import made by this test module can stand in for it.
     script = (
-        "import sys, django; django.setup(); print('django_idempotency.openapi' in sys.modules)"
+        "import sys, django; django.setup(); print('django_idempotency.drf.openapi' in sys.modules)"
     )
     result = subprocess.run(
         [sys.executable, "-c", script],

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from django_idempotency.models import OutboxEvent
 from django_idempotency.operations import EventResult, discard_events, retry_events
-from django_idempotency.outbox import discard, retry_dead
+from django_idempotency.operations.actions import discard, retry_dead
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
 from tests.factories import OutboxEventFactory

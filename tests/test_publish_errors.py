@@ -24,10 +24,10 @@ from django_idempotency.exceptions import (
     PublishError,
 )
 from django_idempotency.models import OutboxEvent
+from django_idempotency.observability.metrics import OutboxCollector
 from django_idempotency.operations import health
-from django_idempotency.operations.metrics import OutboxCollector
+from django_idempotency.operations.actions import retry_events
 from django_idempotency.outbox import relay as relay_module
-from django_idempotency.outbox.operator import retry_events
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 from django_idempotency.publishers.memory import broker

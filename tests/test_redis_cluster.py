@@ -19,8 +19,8 @@ from redis.exceptions import RedisClusterException, ResponseError
 from rest_framework.test import APIClient
 
 from django_idempotency import signals
-from django_idempotency.redis_cluster import ClusterConnectionFactory
-from django_idempotency.request import cache
+from django_idempotency.request import redis_copy
+from django_idempotency.request.redis_cluster import ClusterConnectionFactory
 from tests.redis_cluster import LocalRedisCluster, Node
 from tests.test_cache import ALIAS, configure, post
 from tests.testapp.models import Widget
@@ -55,8 +55,8 @@ def test_every_name_of_a_record_hashes_to_its_tag(settings: Any, scope: str, key
     """Braces a client puts in its key (or a resolver in a scope) never move the slot: the tag
     comes first and holds digests only."""
     configure(settings, "redis://127.0.0.1:1/0", cluster=True)
-    name = cache.redis_key(scope, key)
-    assert tag_of(name) == cache.hash_tag(scope, key)
+    name = redis_copy.redis_key(scope, key)
+    assert tag_of(name) == redis_copy.hash_tag(scope, key)
     sibling = f"{name[: name.index('}') + 1]}:lock"  # a name a future script might add
     assert key_slot(name.encode()) == key_slot(sibling.encode())
     assert name.endswith(f":{key}")
@@ -64,15 +64,15 @@ def test_every_name_of_a_record_hashes_to_its_tag(settings: Any, scope: str, key
 
 def test_records_spread_over_the_slots(settings: Any) -> None:
     configure(settings, "redis://127.0.0.1:1/0", cluster=True)
-    slots = {key_slot(cache.redis_key("one-tenant", f"key-{n}").encode()) for n in range(300)}
+    slots = {key_slot(redis_copy.redis_key("one-tenant", f"key-{n}").encode()) for n in range(300)}
     assert len(slots) > 280  # one tenant's keys are not piled on one node
 
 
 def test_a_script_over_one_records_names_runs_on_the_cluster(on_cluster: Any) -> None:
     """What the tags buy: a Lua script over two names of one record is legal on the cluster,
     over two records it is refused (by redis-py before the server would)."""
-    one, sibling = cache.redis_key("s", "k"), f"{cache.redis_key('s', 'k')}:lock"
-    other = cache.redis_key("s", "another key")
+    one, sibling = redis_copy.redis_key("s", "k"), f"{redis_copy.redis_key('s', 'k')}:lock"
+    other = redis_copy.redis_key("s", "another key")
     assert key_slot(one.encode()) != key_slot(other.encode())
     script = "redis.call('SET', KEYS[1], ARGV[1]); return redis.call('SET', KEYS[2], ARGV[1])"
     assert on_cluster.eval(script, 2, one, sibling, "v")
@@ -198,7 +198,7 @@ def test_a_master_fails_over_under_concurrent_requests(
     def record(sender: Any, operation: str, **kwargs: Any) -> None:
         failures.append(operation)
 
-    victim = cluster.master_of(cache.redis_key("anonymous", "failover-0-0"))
+    victim = cluster.master_of(redis_copy.redis_key("anonymous", "failover-0-0"))
     run = Run()
     threads = [threading.Thread(target=run.worker, args=(n // 2,)) for n in range(4)]
     signals.fast_path_failed.connect(record)
@@ -243,11 +243,11 @@ def test_a_master_fails_over_under_concurrent_requests(
     moved = next(
         f"after-{n}"
         for n in range(10_000)
-        if cluster.master_of(cache.redis_key("anonymous", f"after-{n}")) is promoted
+        if cluster.master_of(redis_copy.redis_key("anonymous", f"after-{n}")) is promoted
     )
     client = APIClient()
     assert post(client, moved, name=moved).status_code == 201
     assert post(client, moved, name=moved)["Idempotent-Replay"] == "true"  # copied to Redis
-    assert on_cluster.get(cache.redis_key("anonymous", moved)).startswith(b"C")
+    assert on_cluster.get(redis_copy.redis_key("anonymous", moved)).startswith(b"C")
     with django_assert_num_queries(0):
         assert post(client, moved, name=moved)["Idempotent-Replay"] == "true"

@@ -13,7 +13,8 @@ from django.utils import timezone
 from django_idempotency import signals
 from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox import discard, publish, retry_dead
+from django_idempotency.operations.actions import discard, retry_dead
+from django_idempotency.outbox import publish
 from django_idempotency.outbox.relay import Relay, backoff_delay
 from django_idempotency.publishers.memory import broker
 from tests.outbox_support import (

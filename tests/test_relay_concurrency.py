@@ -113,5 +113,8 @@ def test_sweeps_running_at_once_delete_each_row_once():
         thread.start()
     for thread in threads:
         thread.join(120)
-    assert sum(counts) == 300 and len(counts) == 3
+    # A sweep that starts while another holds the work skips (None, its session lock); those
+    # that ran deleted each row once between them.
+    assert len(counts) == 3 and any(count is not None for count in counts)
+    assert sum(count for count in counts if count is not None) == 300
     assert not ProcessedMessage.objects.exists()

@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from django_idempotency.core import types
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.request import lifecycle, recent
+from django_idempotency.request import lifecycle, memory
 from tests.factories import held_elsewhere
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -123,7 +123,7 @@ def test_a_key_answered_here_is_read_before_it_is_claimed(key, django_assert_num
     with django_assert_num_queries(REPLAY["postgresql"]) as captured:
         read = lifecycle.claim(identity(key))
     assert _only_reads(statements(captured)[0])
-    recent.clear()  # as if another process had answered it
+    memory.clear()  # as if another process had answered it
     with django_assert_num_queries(REPLAY["postgresql"]) as captured:
         claimed = lifecycle.claim(identity(key))
     assert statements(captured)[0].startswith("WITH inserted AS")
@@ -143,7 +143,7 @@ def test_a_key_answered_here_and_held_or_mismatched_is_refused_from_the_read(
     """A 409 and a 422 need no write either: the read decides them as the claim would (the
     409 still asks whether the owner is there)."""
     with held_elsewhere(identity(key)):
-        recent.remember(identity(key), STORED, None)  # answered here before, say
+        memory.remember(identity(key), STORED, None)  # answered here before, say
         with django_assert_num_queries(CONFLICT["postgresql"]) as captured:
             assert isinstance(lifecycle.claim(identity(key)), types.Conflict)
         assert _only_reads(statements(captured)[0])

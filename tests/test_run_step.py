@@ -23,7 +23,7 @@ from django.test import Client
 
 from django_idempotency.core.statemachine import ACCEPTED, COMPLETED
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
-from django_idempotency.request import recent
+from django_idempotency.request import memory
 from tests.test_doors import ALL as VIEW_DOORS
 from tests.test_doors import send
 from tests.testapp import charges, doors
@@ -42,9 +42,9 @@ def _fresh_counts() -> Iterator[None]:
     charges.runs.clear()
     charges.worker_runs.clear()
     doors.calls.clear()
-    recent.clear()
+    memory.clear()
     yield
-    recent.clear()
+    memory.clear()
 
 
 @pytest.fixture(params=CACHES)
@@ -217,7 +217,7 @@ def test_redis_never_copies_a_record_its_own_transaction_wrote(
 ) -> None:
     from django_redis import get_redis_connection
 
-    from django_idempotency.request import cache
+    from django_idempotency.request import redis_copy
     from tests.test_cache import ALIAS, configure
 
     prefix = configure(settings, redis_url)
@@ -228,7 +228,9 @@ def test_redis_never_copies_a_record_its_own_transaction_wrote(
             charges.charge(key)  # a replay of the record this transaction wrote
             raise Declined("rolled back")
         scope = f"function:{charges.charge.__module__}.charge"
-        assert client.get(cache.redis_key(scope, key)) is None, "an uncommitted record was copied"
+        assert client.get(redis_copy.redis_key(scope, key)) is None, (
+            "an uncommitted record was copied"
+        )
         assert_backed(charges.charge(key), key)
         assert charges.runs[key] == 2
     finally:

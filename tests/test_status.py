@@ -21,10 +21,10 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from django_idempotency.conf import conf
-from django_idempotency.drf_views import KeyStatusView
+from django_idempotency.drf.openapi import KEY_STATUS_COMPONENT, PROBLEM_COMPONENT
+from django_idempotency.drf.views import KeyStatusView
 from django_idempotency.exceptions import IdempotencyKeyNotFound
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.openapi import KEY_STATUS_COMPONENT, PROBLEM_COMPONENT
 from tests.factories import UserFactory
 from tests.test_openapi import SPECTACULAR
 
@@ -330,7 +330,8 @@ def test_without_drf_the_urls_mount_the_plain_views(monkeypatch):
     import importlib
     import importlib.util
 
-    from django_idempotency import urls, views
+    from django_idempotency import urls
+    from django_idempotency.request import status as views
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

@@ -9,10 +9,10 @@ import pytest
 from django.db import transaction
 
 from django_idempotency import tasks
+from django_idempotency.db.querysets import OutboxStatus
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import publish
 from django_idempotency.publishers.memory import broker
-from django_idempotency.querysets import OutboxStatus
 from tests.outbox_support import settings_with
 
 KICK = "django_idempotency.tasks.kick_relay"

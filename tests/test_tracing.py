@@ -7,9 +7,9 @@ from django.http import HttpResponse
 from django.test import override_settings
 from opentelemetry.trace import SpanKind, StatusCode
 
-from django_idempotency import tracing
 from django_idempotency.core import types
 from django_idempotency.exceptions import LeaseLostConflict
+from django_idempotency.observability import tracing
 from django_idempotency.request import lifecycle
 from django_idempotency.request.keys import redact
 from tests.factories import age_record

@@ -12,9 +12,9 @@ from django.db import transaction
 from django.test import Client
 from opentelemetry.trace import SpanKind, StatusCode
 
-from django_idempotency import tracing
 from django_idempotency.inbox import consume_once
 from django_idempotency.models import OutboxEvent
+from django_idempotency.observability import tracing
 from django_idempotency.outbox import publish
 from django_idempotency.publishers.memory import broker
 from tests.outbox_support import publish_committed, relay_all, settings_with

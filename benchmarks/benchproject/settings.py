@@ -89,7 +89,7 @@ if VARIANT == "ours-middleware":
     # the digest of its Authorization header (CREDENTIAL_HEADERS), which DRF checks on the
     # first request. The same endpoints as the mixin's rows, none of DRF's work on a replay.
     IDEMPOTENCY["MIDDLEWARE_PATHS"] = [r"^/api/v1/"]
-    MIDDLEWARE.append("django_idempotency.middleware.IdempotencyMiddleware")
+    MIDDLEWARE.append("django_idempotency.request.middleware.IdempotencyMiddleware")
 if VARIANT in ("dik", "all"):
     INSTALLED_APPS.append("idempotency_key")
     # README: the middleware makes every unsafe method require a key. Its default storage is

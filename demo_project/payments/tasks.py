@@ -23,8 +23,8 @@ from rest_framework.exceptions import ValidationError
 from demo_project.payments import faults, services
 from demo_project.payments.models import Account
 from demo_project.payments.serializers import PaymentSerializer
-from django_idempotency.handoff import handed_off, lease_of
 from django_idempotency.inbox import idempotent_consumer
+from django_idempotency.request.handoff import handed_off, lease_of
 
 #: The consumer name under which both tasks record the events they handled.
 LEDGER = "ledger"

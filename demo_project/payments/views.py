@@ -21,7 +21,7 @@ from demo_project.payments.serializers import (
 )
 from django_idempotency.conf import conf
 from django_idempotency.drf import IdempotencyMixin
-from django_idempotency.handoff import hand_off
+from django_idempotency.request.handoff import hand_off
 
 
 class PaymentViewSet(

@@ -26,13 +26,14 @@ from django.db import DatabaseError, IntegrityError, connections, models, router
 from django.db.models.options import Options
 from django.utils import timezone
 
-from django_idempotency import signals, tracing
+from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.core.failures import describe, failure_fingerprint, failure_traceback
 from django_idempotency.db import dialect, prepared
 from django_idempotency.db import postgresql as pg
 from django_idempotency.exceptions import IdempotencyError, PartitionMissing
 from django_idempotency.models import FailedMessage, ProcessedMessage
+from django_idempotency.observability import tracing
 
 __all__ = [
     "CONSUME_SPAN",

@@ -23,8 +23,8 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 
-from django_idempotency import tracing
 from django_idempotency.inbox.consumers import consume_once
+from django_idempotency.observability import tracing
 
 __all__ = ["MSG_ID_HEADER", "handle_once", "message_id", "run_pull_consumer"]
 

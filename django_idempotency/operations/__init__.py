@@ -3,12 +3,13 @@
 The admin's actions call the functions re-exported here; so can commands and scripts.
 """
 
-from django_idempotency.operations.actions import ReleaseResult, release_records
-from django_idempotency.outbox.operator import (
+from django_idempotency.operations.actions import (
     EventResult,
     FailureGroupSelection,
+    ReleaseResult,
     discard_events,
     discard_failure_group,
+    release_records,
     retry_events,
     retry_failure_group,
 )

@@ -26,8 +26,8 @@ from django.utils.translation import gettext as _
 from django_idempotency.conf import conf
 from django_idempotency.core.failures import FailureKind
 from django_idempotency.db import database_now
+from django_idempotency.db.querysets import OutboxStatus, RecordStatus
 from django_idempotency.models import IdempotencyRecord, OutboxEvent
-from django_idempotency.querysets import OutboxStatus, RecordStatus
 
 __all__ = [
     "COUNT_LIMIT",

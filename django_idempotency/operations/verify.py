@@ -45,14 +45,14 @@ from django.utils import timezone
 from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.db import database_now, session_locks
+from django_idempotency.db.querysets import OutboxStatus
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 from django_idempotency.outbox.publish import publish
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 from django_idempotency.publishers.memory import broker
 from django_idempotency.publishers.routing import Route, build, resolve_route
-from django_idempotency.querysets import OutboxStatus
-from django_idempotency.request import cache
+from django_idempotency.request import redis_copy
 from django_idempotency.request.lifecycle import Options, serve
 
 __all__ = [
@@ -959,7 +959,7 @@ def _redis_outage(scratch: _Scratch) -> Result:
     first = requests.send(before, b"{}", _view(scratch, "redis-before"))
     # The database answers the first retry and copies its response to Redis.
     from_database = requests.send(before, b"{}", _view(scratch, "redis-before"))
-    copied = bool(get_redis_connection(alias).exists(cache.redis_key(scratch.scope, before)))
+    copied = bool(get_redis_connection(alias).exists(redis_copy.redis_key(scratch.scope, before)))
     with CaptureQueriesContext(records) as queries:
         from_redis = requests.send(before, b"{}", _view(scratch, "redis-before"))
     redis_queries = len(queries)
@@ -1032,7 +1032,7 @@ def _clean_up(scratch: _Scratch) -> None:
     old = records.filter(scope__startswith=f"{PREFIX}:", created_at__lt=cutoff)
     for queryset in (mine, old):
         for scope, key in list(queryset.values_list("scope", "key")):
-            cache.forget(scope, key)
+            redis_copy.forget(scope, key)
         queryset.delete()
     messages = ProcessedMessage.objects.using(router.db_for_write(ProcessedMessage))
     messages.filter(consumer=scratch.scope).delete()

@@ -31,15 +31,16 @@ from django.db import IntegrityError, connections, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils import timezone
 
-from django_idempotency import signals, tracing
+from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.core.failures import describe
 from django_idempotency.db import mysql, postgresql, prepared
+from django_idempotency.db.querysets import key_bucket
 from django_idempotency.exceptions import DuplicateEventId, PartitionMissing, TransactionRequired
 from django_idempotency.inbox.consumers import derived_event_id
 from django_idempotency.models import OutboxEvent, OutboxKeyLock
+from django_idempotency.observability import tracing
 from django_idempotency.publishers.routing import resolve_route
-from django_idempotency.querysets import key_bucket
 
 __all__ = ["NOTIFY_CHANNEL", "kick_after_commit", "log_kick_failure", "publish"]
 

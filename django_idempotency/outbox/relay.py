@@ -75,7 +75,7 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Mod, Now
 from django.utils import timezone
 
-from django_idempotency import signals, tracing
+from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.core.failures import (
     FailureKind,
@@ -92,15 +92,7 @@ from django_idempotency.db import (
     session_locks,
     to_datetime,
 )
-from django_idempotency.exceptions import (
-    IdempotencyConfigurationError,
-    OutboxError,
-)
-from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox.publish import NOTIFY_CHANNEL
-from django_idempotency.publishers.base import OutboxMessage, Publisher
-from django_idempotency.publishers.routing import PublisherSet, resolve_route
-from django_idempotency.querysets import (
+from django_idempotency.db.querysets import (
     UNPUBLISHED,
     BeforeInRelayOrder,
     Moment,
@@ -109,6 +101,15 @@ from django_idempotency.querysets import (
     backing_off_q,
     lease_free_q,
 )
+from django_idempotency.exceptions import (
+    IdempotencyConfigurationError,
+    OutboxError,
+)
+from django_idempotency.models import OutboxEvent
+from django_idempotency.observability import tracing
+from django_idempotency.outbox.publish import NOTIFY_CHANNEL
+from django_idempotency.publishers.base import OutboxMessage, Publisher
+from django_idempotency.publishers.routing import PublisherSet, resolve_route
 
 __all__ = [
     "DatabaseClock",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from django.core.serializers.json import DjangoJSONEncoder
 
 from django_idempotency.exceptions import BrokerConfigurationError, BrokerUnavailable
-from django_idempotency.tracing import TRACEPARENT
+from django_idempotency.observability.tracing import TRACEPARENT
 
 __all__ = ["OutboxMessage", "Publisher", "to_json"]
 

@@ -1,9 +1,12 @@
-"""Layer 1, idempotency keys on requests: the lifecycle every entry point calls, and what it uses.
+"""Layer 1, idempotency keys: the doors and the lifecycle they all go through.
 
-The entry points (``middleware.py``, ``decorators.py``, ``drf.py``) translate a request into the
-lifecycle's terms; the lifecycle drives claim, run, complete or release through the record store
-(the database) and the optional Redis cache; the rules themselves are in
-:mod:`django_idempotency.core.statemachine`.
+The doors translate a call into the lifecycle's terms and its outcome back: the middleware
+(``middleware.py``), ``@idempotent`` for views (``decorators.py``), ``@idempotent_function``
+(``idempotent_function.py``), hand-offs to a worker (``handoff.py``), status by key
+(``status.py``); DRF's door is the ``drf`` package. The lifecycle (``lifecycle.py``) claims,
+runs, completes or releases through the record store (``store.py``, the database), the Redis
+copy (``redis_copy.py``) and the answers kept in memory (``memory.py``); the rules themselves
+are in :mod:`django_idempotency.core`.
 """
 
 __all__: list[str] = []

@@ -8,7 +8,7 @@ from django.db import InterfaceError, OperationalError, connections
 
 from django_idempotency.conf import conf
 from django_idempotency.core.types import Lease
-from django_idempotency.request import events, store
+from django_idempotency.request import instrumentation, store
 
 __all__ = ["LeaseHeartbeat"]
 
@@ -45,7 +45,7 @@ class LeaseHeartbeat:
                     if not store.extend(self.lease):
                         return
                 except (OperationalError, InterfaceError) as exc:
-                    events.store_unavailable(
+                    instrumentation.store_unavailable(
                         self.lease.identity, "idempotency heartbeat failed", exc
                     )
         finally:

@@ -7,8 +7,8 @@ authentication, then :func:`run` around its handler; ``@idempotent_function`` ca
 :func:`claim`; a handed-off request's worker calls :func:`run_step`. The claim's outcome is
 dispatched in one place (:func:`settle`), and every door's work runs through one step
 (:func:`run_step`). Below this module sit the rules (``core/statemachine.py``), the record
-store (``store.py``, the database), the Redis copy (``cache.py``) and the answers kept in memory
-(``recent.py``); nothing below calls back up.
+store (``store.py``, the database), the Redis copy (``redis_copy.py``) and the answers kept in
+memory (``memory.py``); nothing below calls back up.
 
 The rules a request meets, whichever door it came through:
 
@@ -73,7 +73,7 @@ from django_idempotency.exceptions import (
     StoreUnavailable,
     TransactionInProgress,
 )
-from django_idempotency.request import attach, cache, events, recent, store
+from django_idempotency.request import attach, instrumentation, memory, redis_copy, store
 from django_idempotency.request.fingerprint import (
     DJANGO_LIMIT,
     BodyLimit,
@@ -282,7 +282,7 @@ def _admit(
 def reclaim(identity: Identity) -> Decision:
     """The one claim a duplicate makes after waiting: whatever it says is the answer."""
     decision = claim(identity)
-    events.attached(identity, decision)
+    instrumentation.attached(identity, decision)
     return decision
 
 
@@ -297,7 +297,7 @@ def identify(request: HttpRequest, key: str, *, scope: str, fingerprint: str) ->
     )
 
 
-@events.instrumented("claim")
+@instrumentation.instrumented("claim")
 def claim(
     identity: Identity, *, lease_seconds: float | None = None, ttl_seconds: float | None = None
 ) -> Decision:
@@ -308,18 +308,18 @@ def claim(
     ``lease_seconds`` and ``ttl_seconds`` override the settings for this key (see
     :func:`store.claim <django_idempotency.request.store.claim>`).
     """
-    kept = recent.lookup(identity)
+    kept = memory.lookup(identity)
     if kept is not None:
         decision: Decision = Replay(kept)
-        events.announce(identity, decision)
+        instrumentation.announce(identity, decision)
         return decision
-    cached = cache.lookup(identity)
+    cached = redis_copy.lookup(identity)
     using = store.database_alias()
     if cached is not None:
         decision = cached
     else:
         try:
-            answered = store.answer(identity, using) if recent.answered(identity) else None
+            answered = store.answer(identity, using) if memory.answered(identity) else None
             decision = answered or store.claim(
                 identity,
                 uuid.uuid4(),
@@ -328,7 +328,7 @@ def claim(
                 using=using,
             )
         except DatabaseError as exc:
-            answer = events.store_failed(identity, exc)
+            answer = instrumentation.store_failed(identity, exc)
             if answer is None:
                 raise
             raise answer from exc
@@ -346,7 +346,7 @@ def claim(
             )
         else:
             _remember_replay(identity, decision, cached is None)
-    events.announce(identity, decision)
+    instrumentation.announce(identity, decision)
     return decision
 
 
@@ -359,11 +359,11 @@ def _remember_replay(
     if left is not None and read_at is not None:
         left -= time.monotonic() - read_at
     if copy:
-        cache.remember(identity, replay.response, left)
-    recent.remember(identity, replay.response, left)
+        redis_copy.remember(identity, replay.response, left)
+    memory.remember(identity, replay.response, left)
 
 
-@events.instrumented("replay")
+@instrumentation.instrumented("replay")
 def replay(stored: StoredResponse) -> HttpResponseBase:
     return replay_response(stored)
 
@@ -528,10 +528,12 @@ def run_step(
         release(lease, not_stored.ended.value, held_as=held_as)
         return Ran(not_stored.ended, not_stored.value)
     except LeaseLost:
-        events.lease_lost(lease.identity)
+        instrumentation.lease_lost(lease.identity)
         raise
     except UNAVAILABLE_ERRORS as exc:
-        events.store_unavailable(lease.identity, "database unavailable during the run", exc)
+        instrumentation.store_unavailable(
+            lease.identity, "database unavailable during the run", exc
+        )
         if not handed_off:
             release(lease, "exception")
         raise
@@ -546,7 +548,7 @@ def _skipped(lease: Lease) -> Ran[Any]:
     """A delivery of handed-off work whose key is done, or no longer its own."""
     done = store.status_of(lease) == COMPLETED
     ended = Ended.ALREADY_COMPLETED if done else Ended.NOT_OURS
-    events.hand_off_skipped(lease.identity, ended.value)
+    instrumentation.hand_off_skipped(lease.identity, ended.value)
     return Ran(ended, None)
 
 
@@ -555,23 +557,25 @@ def _committed(lease: Lease, kept: Keep, stored_at: float) -> None:
     final answer in this process's memory (``LOCAL_REPLAY_SECONDS``; Redis gets its copy at
     the first replay), and wake the duplicates waiting for it."""
     if kept.hold_seconds is not None:
-        events.handed_off(lease, kept.stored)  # no copy of a 202: the worker's answer replaces it
+        instrumentation.handed_off(
+            lease, kept.stored
+        )  # no copy of a 202: the worker's answer replaces it
     else:
-        events.completed(lease, kept.stored)
+        instrumentation.completed(lease, kept.stored)
         # The copy expires with the record, which was given its TTL when it was stored.
         ttl = (lease.ttl_seconds or conf.TTL_SECONDS) - (time.monotonic() - stored_at)
-        recent.remember(lease.identity, kept.stored, ttl)
+        memory.remember(lease.identity, kept.stored, ttl)
     attach.notify(lease.using, lease.identity)
 
 
-@events.instrumented("complete")
+@instrumentation.instrumented("complete")
 def _complete(lease: Lease, stored: StoredResponse, held_as: str) -> None:
     """Store the answer; :class:`LeaseLost` (inside the span) when the key was taken over."""
     if not store.complete(lease, stored, held_as=held_as):
         raise LeaseLost("the lease was taken over by another request")
 
 
-@events.instrumented("accept")
+@instrumentation.instrumented("accept")
 def _accept(lease: Lease, stored: StoredResponse, hold_seconds: float) -> None:
     """Store the 202 and hand the key to the worker; :class:`LeaseLost` when taken over."""
     if not store.accept(lease, stored, hold_seconds):
@@ -588,12 +592,12 @@ def release(lease: Lease, reason: str, *, held_as: str = PROCESSING) -> None:
     try:
         released = store.release(lease, held_as=held_as)
     except UNAVAILABLE_ERRORS as exc:
-        events.store_unavailable(
+        instrumentation.store_unavailable(
             lease.identity, "idempotency release failed; the key frees itself with its lease", exc
         )
         return
     if released:
-        events.released(lease.identity, reason)
+        instrumentation.released(lease.identity, reason)
         transaction.on_commit(
             partial(attach.notify, lease.using, lease.identity), using=lease.using, robust=True
         )

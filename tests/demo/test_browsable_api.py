@@ -1,5 +1,5 @@
 """The browsable API of the demo, in headless Chromium: its forms send the Idempotency-Key
-header from the page's key field (``django_idempotency.browsable``), so a payment made from the
+header from the page's key field (``django_idempotency.drf.browsable``), so a payment made from the
 HTML form happens once, and submitting it again with the same key replays it."""
 
 from __future__ import annotations

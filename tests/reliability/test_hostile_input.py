@@ -30,8 +30,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rest_framework.test import APIClient
 
+from django_idempotency.db.querysets import COMPLETED, PROCESSING
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.querysets import COMPLETED, PROCESSING
 from django_idempotency.request.keys import MAX_KEY_LENGTH
 from tests.reliability import corpus
 from tests.reliability.corpus import BODIES, KEYS, PATH_SUFFIXES, RAW, BodyCase, bounded

@@ -27,9 +27,9 @@ from rest_framework.test import APIClient
 from django_idempotency.checks import W002, check_settings
 from django_idempotency.conf import SENSITIVE_HEADERS
 from django_idempotency.core import types
+from django_idempotency.db.querysets import PROCESSING, OutboxStatus
 from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
-from django_idempotency.querysets import PROCESSING, OutboxStatus
 from django_idempotency.request import lifecycle, store
 from django_idempotency.request.fingerprint import request_fingerprint
 from tests.admin_support import login, post_action

@@ -47,10 +47,10 @@ from hypothesis.stateful import (
 
 from django_idempotency.core import types
 from django_idempotency.db import session_locks
+from django_idempotency.db.querysets import COMPLETED, PROCESSING
 from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import sweeps
-from django_idempotency.querysets import COMPLETED, PROCESSING
 from django_idempotency.request import lifecycle, store
 from tests.reliability.corpus import bounded
 from tests.testapp.models import Widget

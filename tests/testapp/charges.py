@@ -27,8 +27,8 @@ from asgiref.sync import sync_to_async
 from django.db import IntegrityError, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from django_idempotency.decorators import idempotent, idempotent_function
-from django_idempotency.handoff import hand_off, handed_off
+from django_idempotency.request.decorators import idempotent, idempotent_function
+from django_idempotency.request.handoff import hand_off, handed_off
 from tests.testapp.models import Widget
 
 #: The topic :func:`hand_off_charge` hands its work to.

@@ -49,8 +49,8 @@ from rest_framework.response import Response
 from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
-from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
+from django_idempotency.request.decorators import idempotent
 from tests.testapp import charges, views
 from tests.testapp.models import Widget
 

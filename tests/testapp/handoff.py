@@ -21,9 +21,9 @@ from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
-from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
-from django_idempotency.handoff import ahand_off, hand_off, handed_off
+from django_idempotency.request.decorators import idempotent
+from django_idempotency.request.handoff import ahand_off, hand_off, handed_off
 from tests.testapp.models import Widget
 
 #: The topic the views hand off to (the test settings route every topic to MemoryPublisher).

@@ -19,8 +19,8 @@ from rest_framework.exceptions import APIException
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
+from django_idempotency.request.decorators import idempotent
 from tests.testapp.models import Widget
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")

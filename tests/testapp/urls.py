@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
-from django_idempotency.decorators import idempotent
+from django_idempotency.request.decorators import idempotent
 from tests.testapp import doors, hostile_views, views
 
 router = DefaultRouter()

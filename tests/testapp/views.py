@@ -21,9 +21,9 @@ from rest_framework.response import Response
 from rest_framework.throttling import AnonRateThrottle
 from rest_framework.views import APIView
 
-from django_idempotency.decorators import idempotent
 from django_idempotency.drf import IdempotencyMixin
 from django_idempotency.outbox import publish
+from django_idempotency.request.decorators import idempotent
 from tests.testapp.models import Widget
 
 #: Tests set an event here to hold a view until they release it.
@@ -202,7 +202,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from django_idempotency.operations.metrics import OutboxCollector
+    from django_idempotency.observability.metrics import OutboxCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry)

@@ -4,7 +4,7 @@ The lifecycle calls these functions at each step; nothing else in the request la
 signal or writes a log line about a key, so every line carries the same fields: the event, the
 scope, the key (redacted unless ``LOG_KEYS``), the method and the path. Spans wrap a step with
 :func:`instrumented`; the claim's duration goes out as the ``claim_finished`` signal, which the
-Prometheus histogram (``operations/metrics.py``) and any other listener consume.
+Prometheus histogram (``observability/metrics.py``) and any other listener consume.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from django.db import InterfaceError, OperationalError, router
 
-from django_idempotency import signals, tracing
+from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.core.types import (
     Conflict,
@@ -32,6 +32,7 @@ from django_idempotency.core.types import (
 from django_idempotency.db import schema_missing
 from django_idempotency.exceptions import LeaseLost, StoreNotMigrated, StoreUnavailable
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.observability import tracing
 from django_idempotency.request.keys import redact
 
 __all__ = [

@@ -27,7 +27,7 @@ from rest_framework.views import APIView
 
 from django_idempotency.exceptions import CredentialsNotScoped
 from django_idempotency.request.scopes import resolve_scope
-from django_idempotency.views import key_response, key_status
+from django_idempotency.request.status import key_response, key_status
 
 __all__ = ["KeyResponseView", "KeyStatusView"]
 

@@ -409,11 +409,11 @@ class KeyLookupSchema(AutoSchema):
 class KeyLookupViewExtension(OpenApiViewExtension):  # type: ignore[no-untyped-call]
     """Documents ``django_idempotency.urls``'s two views, and a project's subclasses of them."""
 
-    target_class = "django_idempotency.drf_views._KeyAPIView"
+    target_class = "django_idempotency.drf.views._KeyAPIView"
     match_subclasses = True
 
     def view_replacement(self) -> type[APIView]:
-        from django_idempotency.drf_views import KeyResponseView
+        from django_idempotency.drf.views import KeyResponseView
 
         view_class: type[APIView] = self.target
         if view_class.schema is None:  # excluded from the schema by the project

@@ -48,7 +48,7 @@ def _screen(
     if getattr(view_func, "cls", None) is None:
         return
     try:
-        from django_idempotency.drf import screen
+        from django_idempotency.drf.mixin import screen
     except ImportError:  # pragma: no cover - a view with .cls but no DRF installed
         return
     check = screen(view_func, request, view_args, view_kwargs)

@@ -105,12 +105,12 @@ def clear() -> None:
     _answered.clear()
 
 
-@receiver(signals.key_released, dispatch_uid="django_idempotency.request.recent.forget")
+@receiver(signals.key_released, dispatch_uid="django_idempotency.request.memory.forget")
 def _forget_released(sender: Any, scope: str, key: str, **kwargs: Any) -> None:
     forget(scope, key)
 
 
-@receiver(setting_changed, dispatch_uid="django_idempotency.request.recent.settings")
+@receiver(setting_changed, dispatch_uid="django_idempotency.request.memory.settings")
 def _settings_changed(setting: str, **kwargs: Any) -> None:
     # A test (or a deploy that reloads settings) starts from what the new settings say.
     if setting == "IDEMPOTENCY":

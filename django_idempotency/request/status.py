@@ -9,7 +9,7 @@
 
 The key is looked up in the caller's scopes only, resolved exactly as for the writes
 (``SCOPE_RESOLVER``; with DRF, both after DRF's authentication, as the mixin scoped its writes,
-and before it, as the middleware scoped them; see ``drf_views.py``). Everything that is not the
+and before it, as the middleware scoped them; see ``drf/views.py``). Everything that is not the
 caller's live key is the same ``404``: unknown, expired, released, malformed, or
 another scope's, so an answer never tells that a key exists elsewhere. These plain Django views
 are the ones mounted when DRF is not installed; the answers are built here for both.

@@ -1,5 +1,5 @@
 """``@idempotent`` for function views: plain Django views (sync or async) and DRF ``@api_view``
-functions; ``@idempotent_function`` (``functions.py``) for any other callable."""
+functions; ``@idempotent_function`` (``idempotent_function.py``) for any other callable."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from asgiref.sync import iscoroutinefunction
 from django.http import HttpResponseBase
 
 from django_idempotency.conf import GUARDED_METHODS
-from django_idempotency.functions import idempotent_function
 from django_idempotency.request import lifecycle
 from django_idempotency.request.fingerprint import DJANGO_LIMIT, BodyLimit
+from django_idempotency.request.idempotent_function import idempotent_function
 
 __all__ = ["idempotent", "idempotent_function"]
 
@@ -91,7 +91,7 @@ def idempotent(
         @functools.wraps(func)
         def wrapper(request: Any, *args: Any, **kwargs: Any) -> Any:
             if hasattr(request, "parser_context"):  # a DRF Request: below @api_view
-                from django_idempotency.drf import serve_api_view
+                from django_idempotency.drf.mixin import serve_api_view
 
                 return serve_api_view(request, func, args, kwargs, options)
             call = functools.partial(func, request, *args, **kwargs)

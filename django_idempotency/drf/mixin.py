@@ -19,9 +19,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from django_idempotency.browsable import IdempotentBrowsableAPIRenderer
 from django_idempotency.conf import GUARDED_METHODS, conf
 from django_idempotency.core.types import Conflict, Lease, Mismatch, StoredResponse
+from django_idempotency.drf.browsable import IdempotentBrowsableAPIRenderer
 from django_idempotency.exceptions import IdempotencyHTTPError
 from django_idempotency.request import attach, lifecycle
 from django_idempotency.request.fingerprint import (

@@ -220,7 +220,7 @@ RECEIVERS: tuple[tuple[Signal, Receiver], ...] = (
 def connect() -> None:
     """Connect every receiver once (``dispatch_uid`` makes a second call harmless)."""
     for index, (signal, receiver) in enumerate(RECEIVERS):
-        signal.connect(receiver, dispatch_uid=f"django_idempotency.operations.metrics.{index}")
+        signal.connect(receiver, dispatch_uid=f"django_idempotency.observability.metrics.{index}")
 
 
 # --- gauges read from the database when scraped ------------------------------------------------

@@ -11,7 +11,7 @@ replay something the database does not hold.
 
 Each command names one key (``GET``, ``SET``, ``DEL``), under a name hash-tagged per record
 (:func:`redis_key`), so the fast path runs unchanged on Redis Cluster
-(:class:`django_idempotency.redis_cluster.ClusterConnectionFactory`).
+(:class:`django_idempotency.request.redis_cluster.ClusterConnectionFactory`).
 
 Any Redis error is logged, sent as :data:`~django_idempotency.signals.fast_path_failed` and
 answered by the database instead. The process then leaves Redis alone for
@@ -40,7 +40,7 @@ from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.core.types import Identity, Replay, StoredResponse
 from django_idempotency.exceptions import IdempotencyConfigurationError
-from django_idempotency.request import events
+from django_idempotency.request import instrumentation
 
 __all__ = ["REDIS_ERRORS", "enabled", "forget", "hash_tag", "lookup", "redis_key", "remember"]
 
@@ -155,7 +155,7 @@ def _redis_class() -> type:
     return Redis
 
 
-@receiver(setting_changed, dispatch_uid="django_idempotency.request.cache.settings")
+@receiver(setting_changed, dispatch_uid="django_idempotency.request.redis_copy.settings")
 def _settings_changed(setting: str, **kwargs: Any) -> None:
     global _generation
     if setting in ("CACHES", "IDEMPOTENCY"):
@@ -227,7 +227,7 @@ def forget(scope: str, key: str) -> None:
         _failed("forget", scope, key, exc, level=logging.ERROR)
 
 
-@receiver(signals.key_released, dispatch_uid="django_idempotency.request.cache.forget")
+@receiver(signals.key_released, dispatch_uid="django_idempotency.request.redis_copy.forget")
 def _forget_released(sender: Any, scope: str, key: str, reason: str = "", **kwargs: Any) -> None:
     if reason not in _OWN_RELEASE_REASONS:
         forget(scope, key)
@@ -235,7 +235,7 @@ def _forget_released(sender: Any, scope: str, key: str, reason: str = "", **kwar
 
 def _encode(fingerprint: str, stored: StoredResponse, expires_at: float) -> bytes:
     """The copy: its metadata as a JSON line, then the body. ``x`` is the record's expiry
-    (epoch seconds), for the answers a process keeps in memory (``request/recent.py``)."""
+    (epoch seconds), for the answers a process keeps in memory (``request/memory.py``)."""
     meta = {
         "f": fingerprint,
         "s": stored.status,
@@ -277,4 +277,4 @@ def _failed(
     alias, pause = conf.CACHE_ALIAS, conf.CACHE_RETRY_SECONDS
     if alias is not None and pause > 0:
         _resting_until[alias] = time.monotonic() + pause
-    events.fast_path_failed(operation, scope, key, exc, level)
+    instrumentation.fast_path_failed(operation, scope, key, exc, level)

@@ -10,7 +10,7 @@ the header only, never in the body, exactly as a client's would::
     REST_FRAMEWORK = {
         "DEFAULT_RENDERER_CLASSES": [
             "rest_framework.renderers.JSONRenderer",
-            "django_idempotency.browsable.IdempotentBrowsableAPIRenderer",
+            "django_idempotency.drf.browsable.IdempotentBrowsableAPIRenderer",
         ],
     }
 
