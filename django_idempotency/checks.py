@@ -1510,7 +1510,7 @@ PROJECT_CHECKS: tuple[Check, ...] = (
 )
 
 OUTBOX_CHECKS: tuple[Check, ...] = (
-    Check(E020, _bad_routes, "{where} {problem}.", "See docs/outbox.md, 'Publishers'."),
+    Check(E020, _bad_routes, "{where} {problem}.", "See docs/publishers.md."),
     Check(
         E021,
         _bad_publishers,
@@ -1720,7 +1720,7 @@ STORAGE_CHECKS: tuple[Check, ...] = (
         "still one plain table.",
         "Writes are safe meanwhile (they take their locks; the unique constraint still holds). "
         "Run `manage.py idempotency_partitions partition --table {label}` once every process "
-        "runs with the setting (docs/operations.md).",
+        "runs with the setting (docs/partitions.md).",
         tags=(Tags.database,),
     ),
     Check(

@@ -101,7 +101,7 @@ DEFAULTS: dict[str, Any] = {
     # Sweeps of all three layers
     "SWEEP_BATCH_SIZE": 1000,
     # Storage at scale (PostgreSQL only): the records, outbox and inbox tables partitioned by day,
-    # retention by dropping whole partitions (docs/operations.md).
+    # retention by dropping whole partitions (docs/partitions.md).
     "RECORD_PARTITIONS": False,
     "OUTBOX_PARTITIONS": False,
     "INBOX_PARTITIONS": False,

@@ -1,5 +1,5 @@
 """Every statement on the records table names its record's scope, so the table can be
-distributed by scope (Citus, docs/operations.md) with each request's statements routed to one
+distributed by scope (Citus, docs/sharding.md) with each request's statements routed to one
 shard; the inbox's statements name the message id, its distribution column. The SQL of each path
 is captured on this backend and read: a statement that reads or changes existing rows compares
 the column with the request's value, once per place it names the table; an INSERT writes it."""

@@ -1,5 +1,5 @@
 """``verify_signature()`` answers False, never raises, whatever a client puts in the header; a
-receiver written as docs/outbox.md shows answers every bad signature 401."""
+receiver written as docs/publishers.md shows answers every bad signature 401."""
 
 from __future__ import annotations
 
@@ -77,8 +77,8 @@ def test_headers_assembled_from_good_and_bad_parts(parts: list[str]) -> None:
 
 
 def docs_receiver() -> Callable[[HttpRequest], HttpResponse]:
-    """The receiver docs/outbox.md shows, as a view: its code block, then a 204."""
-    page = (DOCS / "outbox.md").read_text()
+    """The receiver docs/publishers.md shows, as a view: its code block, then a 204."""
+    page = (DOCS / "publishers.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
     (snippet,) = [block for block in blocks if "verify_signature(" in block]
     source = (
@@ -87,7 +87,7 @@ def docs_receiver() -> Callable[[HttpRequest], HttpResponse]:
         + "    return HttpResponse(status=204)\n"
     )
     namespace: dict[str, Any] = {"HttpResponse": HttpResponse, "SECRET": SECRET}
-    exec(compile(source, "docs/outbox.md", "exec"), namespace)  # noqa: S102
+    exec(compile(source, "docs/publishers.md", "exec"), namespace)  # noqa: S102
     receive: Callable[[HttpRequest], HttpResponse] = namespace["receive"]
     return receive
 

@@ -80,7 +80,7 @@ HOLD_OWNER_LOCK = f"pg_try_advisory_lock({OWNER_LOCK_CLASS}, %(owner_lock)s)"
 LET_GO_OF_OWNER_LOCK = f"pg_advisory_unlock({OWNER_LOCK_CLASS}, %(owner_lock)s)"
 
 
-#: Class id of the per-key locks of a partitioned records table (docs/operations.md): each claim
+#: Class id of the per-key locks of a partitioned records table (docs/partitions.md): each claim
 #: takes its key's lock, for its transaction, before it looks the key up.
 RECORD_KEY_LOCK_CLASS = 1_638_184_612
 

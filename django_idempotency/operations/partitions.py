@@ -28,7 +28,7 @@ Three operations, each a plain function the management command and the Celery ta
   an unexpired or leased record; an event PENDING, DEAD, or published within
   ``OUTBOX_RETENTION_SECONDS``; a marker within ``INBOX_RETENTION_SECONDS``.
 * :func:`partition_table` / :func:`unpartition_table`: the migration from the plain table and
-  back (docs/operations.md states the downtime of each).
+  back (docs/partitions.md states the downtime of each).
 
 Every DDL statement runs with ``lock_timeout`` (:data:`LOCK_TIMEOUT`): a statement that needs
 the parent's ACCESS EXCLUSIVE lock waits behind long transactions, and while it waits, every
@@ -357,7 +357,7 @@ def create_partitions(
     if not is_partitioned(using, layout):
         raise IdempotencyConfigurationError(
             f"{layout.table} is not partitioned: run `manage.py idempotency_partitions "
-            f"partition{_table_option(layout)}` first (docs/operations.md)."
+            f"partition{_table_option(layout)}` first (docs/partitions.md)."
         )
     now = now or database_now(using)
     span = timedelta(days=conf.PARTITION_SPAN_DAYS)
@@ -480,7 +480,7 @@ def maintain(*, dry_run: bool = False, layout: Layout = RECORDS) -> dict[str, An
     if not is_partitioned(using, layout):
         logger.warning(
             "%s is on but %s is not partitioned: run "
-            "`manage.py idempotency_partitions partition%s` (docs/operations.md)",
+            "`manage.py idempotency_partitions partition%s` (docs/partitions.md)",
             layout.setting,
             layout.table,
             _table_option(layout),
@@ -652,7 +652,7 @@ def unpartition_table(*, verbose: Any = None, layout: Layout = RECORDS) -> float
     is copied into a new plain table, the partitioned table is dropped, the new one
     takes its name, its identity (continued), primary key, unique constraints and indexes
     under the model's names. Claims (or publishing) wait for the whole copy
-    (docs/operations.md gives the time per million rows); turn the setting off once it is done.
+    (docs/partitions.md gives the time per million rows); turn the setting off once it is done.
     """
     using = layout.using()
     _require_postgresql(using, layout)

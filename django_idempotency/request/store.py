@@ -17,7 +17,7 @@ The operations, each one short statement or transaction, each judged by the data
 * :func:`read` looks a key up without changing or locking anything (status by key).
 
 Every statement on the records table names the record by its scope and key, the unique
-constraint, so the table can be distributed by scope (Citus; ``docs/operations.md``) and each
+constraint, so the table can be distributed by scope (Citus; ``docs/sharding.md``) and each
 statement still reaches one shard. ``tests/test_shard_ready.py`` holds every path to it.
 """
 
@@ -270,7 +270,7 @@ def _claim_portable(
             # Fenced on the record being as we judged it: same owner, and still absent or stale
             # by the same rules, so a request that completed or took it over meanwhile is never
             # overwritten. The scope and key name the row as every other statement here does,
-            # so a table distributed by scope routes it to one shard (docs/operations.md).
+            # so a table distributed by scope routes it to one shard (docs/sharding.md).
             updated = (
                 IdempotencyRecord.objects.using(using)
                 .for_key(identity.scope, identity.key)

@@ -23,7 +23,7 @@ class Command(BaseCommand):
         "'maintain' creates the partitions ahead and drops expired ones (what the hourly task "
         "does); 'create' and 'retention' do one of the two; 'status' lists the partitions; "
         "'partition' moves the plain table to the partitioned layout with writes continuing, "
-        "'unpartition' moves it back (writes wait for the copy). See docs/operations.md."
+        "'unpartition' moves it back (writes wait for the copy). See docs/partitions.md."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
