@@ -178,3 +178,23 @@ def test_every_name_the_api_reference_documents_imports() -> None:
         if imported is None:
             missing.append(path)
     assert not missing
+
+
+def test_every_guarantee_names_the_test_that_proves_it() -> None:
+    """Each row of the guarantees' tables (those whose last column is "test") names the test
+    behind it."""
+    rows: list[tuple[str, str, str]] = []
+    for page in sorted(DOCS.glob("guarantees*.md")):
+        header: list[str] | None = None
+        for line in page.read_text().splitlines():
+            if not line.startswith("|"):
+                header = None
+                continue
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if header is None:
+                header = cells
+            elif not set("".join(cells)) <= set("-: ") and header[-1].lower() == "test":
+                rows.append((page.name, cells[0][:60], cells[-1]))
+    assert len(rows) > 50
+    unproven = [row for row in rows if "test" not in row[2]]
+    assert not unproven
