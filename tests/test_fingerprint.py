@@ -155,18 +155,23 @@ def streamed(
     return request
 
 
-def read_back(request: WSGIRequest) -> bytes:
-    """What the view reads after the fingerprint, then what the server closes with it.
+def finish(request: WSGIRequest) -> None:
+    """Close the response as the server would, which closes what the fingerprint spooled.
 
     Closing a response sends ``request_finished``; as Django's own test client does, the
     database connections are left alone (a test without the database may not touch one that
     an earlier test of the process opened)."""
-    body = request.read()
     request_finished.disconnect(close_old_connections)
     try:
         hand_over_cleanup(request, HttpResponse()).close()
     finally:
         request_finished.connect(close_old_connections)
+
+
+def read_back(request: WSGIRequest) -> bytes:
+    """What the view reads after the fingerprint, then what the server closes with it."""
+    body = request.read()
+    finish(request)
     return body
 
 
@@ -215,7 +220,7 @@ def streamed_fingerprint(body: Firehose, **kwargs: int | None) -> str:
     """The fingerprint of ``body`` sent with an honest Content-Length; spool closed after."""
     request = streamed(body, body.size)
     fingerprint = request_fingerprint(request, **kwargs)
-    hand_over_cleanup(request, HttpResponse()).close()
+    finish(request)
     return fingerprint
 
 
