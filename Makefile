@@ -115,11 +115,13 @@ migrations-check: $(VENV)/.installed
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
-## test-quick: the inner loop, on SQLite with no services (those tests skip), nothing slow
+## test-quick: the inner loop (about a minute): the tests that depend on the database (the
+## request lifecycle, the outbox, the inbox) on SQLite, with no services (those tests skip),
+## nothing slow; `make test` runs everything
 test-quick: $(VENV)/.installed
 	env -u POSTGRES_URL -u MARIADB_URL -u REDIS_URL -u AMQP_URL -u NATS_URL -u REQUIRE_BACKENDS \
-		TEST_DATABASE=sqlite $(VENV)/bin/$(PYTEST) -q -n auto --dist loadfile \
-		-m "not reliability and not slow and not browser and not concurrency" tests
+		TEST_DATABASE=sqlite $(VENV)/bin/$(PYTEST) -q -n $(TEST_WORKERS) --dist loadfile \
+		-m "not reliability and not slow and not browser and not concurrency and not once" tests
 
 ## test-django52, test-django6: the passes of one Django series
 test-django52: $(VENV)/.installed
