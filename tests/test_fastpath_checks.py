@@ -16,7 +16,7 @@ REDIS = {
 
 
 def check_fast_path():
-    return [message for check in checks.FAST_PATH_CHECKS for message in check()]
+    return [message for check in checks.CACHE_CHECKS for message in check()]
 
 
 def ids(settings, alias, caches):
