@@ -77,7 +77,7 @@ CACHE_CHECKS: tuple[Check, ...] = (
     Check(
         E041,
         _not_django_redis,
-        "CACHES[{alias!r}] (IDEMPOTENCY['CACHE_ALIAS']) uses {backend!r}; the fast path needs "
+        "CACHES[{alias!r}] (IDEMPOTENCY['CACHE_ALIAS']) uses {backend!r}; the Redis copy needs "
         f"{_DJANGO_REDIS_BACKEND!r}.",
         "Install the 'redis' extra (pip install -e '/path/to/django-idempotency[redis]' from "
         "a checkout, see docs/installation.md) and set that BACKEND.",

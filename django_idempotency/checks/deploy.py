@@ -203,7 +203,7 @@ def _redis_broker_without_timeouts(c: Context) -> Iterator[Finding]:
             yield {"app": app.main or "the current app", "missing": " and ".join(missing)}
 
 
-def _local_replay_on(c: Context) -> Iterator[Finding]:
+def _answers_kept_in_memory(c: Context) -> Iterator[Finding]:
     seconds = _number("LOCAL_REPLAY_SECONDS", c.merged)
     if seconds is not None and seconds > 0:
         yield {"seconds": c.merged["LOCAL_REPLAY_SECONDS"]}
@@ -346,7 +346,7 @@ DEPLOY_CHECKS: tuple[Check, ...] = (
     ),
     Check(
         W041,
-        _local_replay_on,
+        _answers_kept_in_memory,
         "IDEMPOTENCY['LOCAL_REPLAY_SECONDS'] is {seconds}: each process replays the answers it "
         "keeps in memory, so a key released in another process (an operator's release in the "
         "admin) is still replayed by the others for up to {seconds} s.",

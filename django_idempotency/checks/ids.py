@@ -53,7 +53,7 @@ W024 = "django_idempotency.W024"  # OUTBOX_PUBLISHERS has no catch-all ("*") rou
 W025 = "django_idempotency.W025"  # the default OUTBOX_KICK without Celery relays in-process
 W026 = "django_idempotency.W026"  # a NATS duplicate window shorter than the retry horizon
 W027 = "django_idempotency.W027"  # deploy: the outbox's Celery broker is Redis without timeouts
-# Fast paths: the Redis copy, and answers kept in memory
+# Caches: the Redis copy, and answers kept in memory
 E040 = "django_idempotency.E040"  # CACHE_ALIAS is not None or a configured cache alias
 E041 = "django_idempotency.E041"  # CACHE_ALIAS names a cache that is not django-redis
 E042 = "django_idempotency.E042"  # CACHE_RETRY_SECONDS is not a number >= 0
