@@ -97,7 +97,7 @@ def false_positive_rate(keys: int, probes: int) -> float:
 
 
 def child(iterations: int) -> None:
-    """Runs in the subprocess, with Django set up on PostgreSQL and the Redis fast path."""
+    """Runs in the subprocess, with Django set up on PostgreSQL and the Redis copy."""
     import django
 
     django.setup()

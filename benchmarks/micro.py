@@ -1,7 +1,7 @@
 """In-process microbenchmark: microseconds the lifecycle adds to a request, per database backend.
 
 For each backend (SQLite always; PostgreSQL and MariaDB when their URL answers) and with and
-without the Redis fast path, it times in one process, interleaved:
+without the Redis copy, it times in one process, interleaved:
 
 * baseline: the same trivial view inside ``transaction.atomic`` (what a plain write view pays);
 * claim + complete: ``lifecycle.claim`` with a new key, then ``lifecycle.run`` storing it;

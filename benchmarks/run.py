@@ -118,7 +118,7 @@ NOTES = Endpoint("notes", "/api/v1/notes/", "/plain/notes/", "note")
 GUARDS = [
     ("ours", "ours", "database"),
     ("ours", "ours-redis", "Redis"),
-    # The same fast path behind IdempotencyMiddleware: a replay answered before DRF runs.
+    # The same Redis copy behind IdempotencyMiddleware: a replay answered before DRF runs.
     ("ours, middleware", "ours-middleware", "Redis"),
     ("drf-idempotency", "drfi-db", "database"),
     ("drf-idempotency", "drfi-redis", "Redis"),

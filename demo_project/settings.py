@@ -3,8 +3,8 @@
 With none set, the demo needs nothing but Python: SQLite, no Redis, no broker.
 
 ``DATABASE_URL``       any database django-environ understands (default: ``demo.sqlite3``).
-``REDIS_URL``          optional: defines the ``idempotency`` django-redis cache and points the
-                       Redis fast path (``IDEMPOTENCY["CACHE_ALIAS"]``) at it.
+``REDIS_URL``          optional: defines the ``idempotency`` django-redis cache and keeps the
+                       Redis copy (``IDEMPOTENCY["CACHE_ALIAS"]``) in it.
 ``CELERY_BROKER_URL``  optional: sends tasks (the outbox relay, the ledger consumer) to a broker
                        for a Celery worker; without it they run in-process, after the commit.
 ``DEMO_FAULTS``        off by default: lets a request ask for a slow or crashing payment with the

@@ -74,7 +74,7 @@ DEFAULTS: dict[str, Any] = {
     # Requests whose credentials Django's own middleware does not turn into request.user.
     "CREDENTIAL_HEADERS": ("Authorization",),
     "CREDENTIAL_SCOPE": "digest",
-    # Redis fast path: the django-redis cache alias to use, or None for the database only.
+    # The Redis copy: the django-redis cache alias to use, or None for the database only.
     "CACHE_ALIAS": None,
     "CACHE_RETRY_SECONDS": 5,
     # Answers kept in this process's memory for a retry storm (request/memory.py); 0: none.

@@ -17,13 +17,13 @@ __all__ = [
     "events_discarded",
     "events_retried",
     "failures_forgotten",
-    "fast_path_failed",
     "key_claimed",
     "key_released",
     "key_taken_over",
     "lease_lost",
     "payload_mismatched",
     "publish_failed",
+    "redis_copy_failed",
     "request_completed",
     "request_conflicted",
     "request_handed_off",
@@ -62,10 +62,10 @@ request_handed_off = Signal()
 #: ``reason``.
 key_released = Signal()
 
-#: The Redis fast path failed and the request used the database instead (never a duplicate).
-#: kwargs: ``scope``, ``key``, ``operation`` (``claim``, ``complete``, ``release`` or ``forget``),
+#: A call to the Redis copy failed and the request used the database instead (never a
+#: duplicate). kwargs: ``scope``, ``key``, ``operation`` (``lookup``, ``remember`` or ``forget``),
 #: ``error`` (the exception). A failed ``forget`` means a stale copy may live until its expiry.
-fast_path_failed = Signal()
+redis_copy_failed = Signal()
 #: A claim was decided (or failed). kwargs: ``scope``, ``key``, ``outcome`` (``"claimed"``,
 #: ``"replayed"``, ``"conflicted"``, ``"mismatched"``, ``"unavailable"`` or ``"error"``),
 #: ``duration`` (seconds, float).

@@ -31,7 +31,7 @@ ONCE = frozenset(
     {
         "test_admin_browser", "test_body_bounds", "test_browsable", "test_celery_beat",
         "test_checks", "test_checks_operations", "test_client", "test_conf",
-        "test_docs", "test_failures", "test_fastpath_checks",
+        "test_docs", "test_failures", "test_redis_copy_checks",
         "test_fingerprint", "test_function_view_csrf", "test_howtos", "test_checks_deploy",
         "test_key_message", "test_keys", "test_metrics_multiprocess", "test_nats",
         "test_openapi", "test_outbox_checks", "test_packaging", "test_ports", "test_proxy",
@@ -76,7 +76,7 @@ def redis_url() -> str:
     return require_service("redis")
 
 
-#: The runs (``TEST_DATABASE``) that start a local Redis Cluster. The fast path never touches the
+#: The runs (``TEST_DATABASE``) that start a local Redis Cluster. The Redis copy never touches the
 #: database, and the database's own answers under it are tested on every backend with the
 #: standalone Redis; SQLite (what a fresh clone runs) and PostgreSQL (the reference) are enough
 #: for the cluster's, and MariaDB's run is spared the cluster's start-up and failovers.
@@ -118,8 +118,8 @@ def amqp_url() -> str:
 
 
 @pytest.fixture(autouse=True)
-def fast_path_awake() -> Iterator[None]:
-    """A Redis error in one test must not leave the fast path resting in the next."""
+def redis_copy_awake() -> Iterator[None]:
+    """A Redis error in one test must not leave the Redis copy resting in the next."""
     redis_copy._resting_until.clear()
     yield
     redis_copy._resting_until.clear()

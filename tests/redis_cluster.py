@@ -1,4 +1,4 @@
-"""A real Redis Cluster for the fast-path tests: three masters and three replicas, each a
+"""A real Redis Cluster for the Redis copy's tests: three masters and three replicas, each a
 redis-server child process on loopback ports of its own, made with ``redis-cli --cluster create``.
 
 The nodes note their pids under ``CLUSTER_STATE`` (and their directory), so a run that crashed

@@ -43,7 +43,7 @@ CLUSTER_FACTORY = "django_idempotency.request.redis_cluster.ClusterConnectionFac
 
 
 def configure(settings: Any, location: str, *, cluster: bool = False, **idempotency: Any) -> str:
-    """Point the fast path at ``location`` under a fresh key prefix; returns the prefix."""
+    """Point the Redis copy at ``location`` under a fresh key prefix; returns the prefix."""
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     options: dict[str, Any] = {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 2}
     if cluster:
@@ -63,7 +63,7 @@ def configure(settings: Any, location: str, *, cluster: bool = False, **idempote
 
 @pytest.fixture(params=["standalone", "cluster"])
 def redis(request: Any, settings: Any) -> Iterator[Any]:
-    """The fast path on the shared Redis, then on the Redis Cluster: every test that takes this
+    """The Redis copy on the shared Redis, then on the Redis Cluster: every test that takes this
     fixture runs on both."""
     if request.param == "cluster":
         prefix = configure(settings, request.getfixturevalue("redis_cluster").url, cluster=True)
@@ -82,9 +82,9 @@ def failures() -> Iterator[list[dict[str, Any]]]:
     def record(sender: Any, **kwargs: Any) -> None:
         received.append(kwargs)
 
-    signals.fast_path_failed.connect(record)
+    signals.redis_copy_failed.connect(record)
     yield received
-    signals.fast_path_failed.disconnect(record)
+    signals.redis_copy_failed.disconnect(record)
 
 
 def post(client: APIClient, key: str, name: str = "a", **extra: Any) -> Any:
@@ -295,7 +295,7 @@ def test_rolled_back_completion_is_never_copied(redis, key):
 
 
 @contextlib.contextmanager
-def fastpath_disabled() -> Iterator[None]:
+def redis_copy_disabled() -> Iterator[None]:
     from django.conf import settings
     from django.test import override_settings
 
@@ -528,7 +528,7 @@ def test_a_cluster_client_is_used_as_the_cache_gives_it(settings, redis_cluster)
 
 
 @pytest.mark.concurrency
-def test_concurrent_duplicates_run_once_with_the_fast_path(redis, key):
+def test_concurrent_duplicates_run_once_with_the_redis_copy(redis, key):
     barrier = threading.Barrier(6)
     statuses: list[int] = []
 
@@ -590,7 +590,7 @@ def test_a_retry_after_a_500_runs_at_once_whatever_redis_did(
     assert post(client, key, name="a")["Idempotent-Replay"] == "true"
 
 
-def test_fast_path_adds_no_database_statement_to_a_first_request(
+def test_the_redis_copy_adds_no_database_statement_to_a_first_request(
     redis, client, key, django_assert_num_queries
 ):
     from tests.test_round_trips import BEGIN_COMMIT, COMPLETION, FIRST_CLAIM

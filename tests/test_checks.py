@@ -84,7 +84,7 @@ class Project:
         """Make ``module`` look not installed to the checks."""
         importable = checks.importable
         self.monkeypatch.setattr(
-            checks, "importable", lambda name: name != module and importable(name)
+            checks.base, "importable", lambda name: name != module and importable(name)
         )
 
     def database(self, **values: Any) -> None:
@@ -144,9 +144,9 @@ def records_layout(
         return (partitioned, covered, now) if label == table else (False, None, now)
 
     p.monkeypatch.setattr(
-        checks, "_records_vendor", lambda label="records": ("default", "postgresql")
+        checks.partitions, "_records_vendor", lambda label="records": ("default", "postgresql")
     )
-    p.monkeypatch.setattr(checks, "record_layout", layout)
+    p.monkeypatch.setattr(checks.partitions, "record_layout", layout)
     p.arguments = ["--database", "default"]
     p.idempotency(**idempotency)
 
@@ -416,13 +416,13 @@ SCENARIOS: dict[str, tuple[Scenario, Scenario]] = {
     checks.E082: (
         lambda p: (
             p.monkeypatch.setattr(
-                checks, "_records_vendor", lambda label="records": ("default", "sqlite")
+                checks.partitions, "_records_vendor", lambda label="records": ("default", "sqlite")
             ),
             p.idempotency(RECORD_PARTITIONS=True),
         ),
         lambda p: (
             p.monkeypatch.setattr(
-                checks, "_records_vendor", lambda label="records": ("default", "sqlite")
+                checks.partitions, "_records_vendor", lambda label="records": ("default", "sqlite")
             ),
             p.idempotency(RECORD_PARTITIONS=False),
         ),
@@ -587,7 +587,9 @@ def test_the_partition_checks_name_the_outbox_and_inbox_tables(
     report = " ".join(project.check().split())
     assert "The inbox table in database 'default' is partitioned" in report
     assert "unpartition --table inbox" in report
-    monkeypatch.setattr(checks, "_records_vendor", lambda label="records": ("default", "mysql"))
+    monkeypatch.setattr(
+        checks.partitions, "_records_vendor", lambda label="records": ("default", "mysql")
+    )
     project.idempotency(OUTBOX_PARTITIONS=True)
     assert "the outbox database 'default' is 'mysql'" in project.check()
 

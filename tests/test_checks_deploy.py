@@ -42,7 +42,7 @@ def test_anonymous_scope_names_the_views_that_let_anonymous_clients_in(project: 
 
 
 def test_anonymous_scope_in_the_records_table(project: Project) -> None:
-    project.monkeypatch.setattr(checks, "_anonymous_mixin_views", list)
+    project.monkeypatch.setattr(checks.deploy, "_anonymous_mixin_views", list)
     project.arguments = ["--deploy", "--database", "default"]
     assert checks.W008 not in reported(project.check())
     IdempotencyRecordFactory(scope="anonymous")
@@ -123,7 +123,7 @@ def test_with_partitions_the_partition_task_is_asked_for(project: Project) -> No
     }
     project.celery(beat_schedule=schedule)
     assert checks.W062 not in reported(project.check())
-    project.monkeypatch.setattr(checks, "_overdue_rows", lambda c: iter(()))
+    project.monkeypatch.setattr(checks.deploy, "_overdue_rows", lambda c: iter(()))
     project.idempotency(RECORD_PARTITIONS=True)
     (line,) = messages(project, checks.W062)
     assert "maintain_record_partitions" in line

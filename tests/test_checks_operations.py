@@ -47,7 +47,7 @@ def test_e060_quiet_for_booleans_from_the_environment(name, value):
     ],
 )
 def test_w060_w061_switched_on_without_the_package(monkeypatch, name, module, warning_id, extra):
-    monkeypatch.setattr(checks, "importable", lambda candidate: candidate != module)
+    monkeypatch.setattr(checks.base, "importable", lambda candidate: candidate != module)
     for on in (True, "true", 1):
         with override_settings(IDEMPOTENCY={name: on}):
             messages = check_operations()

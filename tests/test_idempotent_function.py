@@ -598,7 +598,7 @@ def test_a_custom_serializer_stores_and_reads_the_value():
     assert record.response_headers == [["Content-Type", "text/plain"]]
 
 
-def test_with_the_redis_fast_path_a_repeat_is_replayed_without_a_query(
+def test_with_the_redis_copy_a_repeat_is_replayed_without_a_query(
     settings, redis_url, django_assert_num_queries
 ):
     from django_redis import get_redis_connection

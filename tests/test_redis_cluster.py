@@ -1,5 +1,5 @@
-"""The fast path on Redis Cluster: names hash-tagged per record, the connection factory, and a
-master failing over under concurrent requests. tests/test_cache.py runs the rest of the fast-path
+"""The Redis copy on Redis Cluster: names hash-tagged per record, the connection factory, and a
+master failing over under concurrent requests. tests/test_cache.py runs the rest of the Redis copy's
 tests on the cluster too (its ``redis`` fixture)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def on_cluster(redis_cluster: Any, settings: Any) -> Iterator[Any]:
-    """The fast path on the cluster, under a fresh key prefix; yields the raw cluster client."""
+    """The Redis copy on the cluster, under a fresh key prefix; yields the raw cluster client."""
     prefix = configure(settings, redis_cluster.url, cluster=True, CACHE_RETRY_SECONDS=0.5)
     client = get_redis_connection(ALIAS)
     yield client
@@ -118,11 +118,11 @@ def test_an_unreachable_cluster_falls_back_to_the_database(settings: Any, key: s
     def record(sender: Any, operation: str, **kwargs: Any) -> None:
         failures.append(operation)
 
-    signals.fast_path_failed.connect(record)
+    signals.redis_copy_failed.connect(record)
     try:
         first, retry = post(APIClient(), key), post(APIClient(), key)
     finally:
-        signals.fast_path_failed.disconnect(record)
+        signals.redis_copy_failed.disconnect(record)
     assert (first.status_code, retry.status_code) == (201, 201)
     assert retry["Idempotent-Replay"] == "true"
     # The retry's look-up fails, the database replays it, and its copy to Redis fails too.
@@ -189,7 +189,7 @@ def test_a_master_fails_over_under_concurrent_requests(
     """A master is killed (SIGKILL) or hands over to its replica while four threads send
     requests and retries. Every request is answered as without Redis (201, a replay, or a
     409 for the concurrent duplicate), each key's effect happens once, and once the new master
-    serves its slots the fast path replays from it again without a query."""
+    serves its slots the Redis copy replays from it again without a query."""
     cluster = redis_cluster.local
     if cluster is None:
         pytest.skip("REDIS_CLUSTER_URL's cluster is not ours to fail over")
@@ -201,7 +201,7 @@ def test_a_master_fails_over_under_concurrent_requests(
     victim = cluster.master_of(redis_copy.redis_key("anonymous", "failover-0-0"))
     run = Run()
     threads = [threading.Thread(target=run.worker, args=(n // 2,)) for n in range(4)]
-    signals.fast_path_failed.connect(record)
+    signals.redis_copy_failed.connect(record)
     try:
         for thread in threads:
             thread.start()
@@ -217,7 +217,7 @@ def test_a_master_fails_over_under_concurrent_requests(
             thread.join(60)
     finally:
         run.stop.set()
-        signals.fast_path_failed.disconnect(record)
+        signals.redis_copy_failed.disconnect(record)
         if how == "killed":
             victim.start()  # it rejoins as the new master's replica, for the next test
         cluster.wait_healthy()
@@ -239,7 +239,7 @@ def test_a_master_fails_over_under_concurrent_requests(
         later = [a for a in answers if completed is not None and a[4] > completed]
         # Once the key's request has completed, every request for it is a replay.
         assert all((a[2], a[3]) == (201, "true") for a in later), answers
-    # The fast path works again, on the slots that moved too.
+    # The Redis copy works again, on the slots that moved too.
     moved = next(
         f"after-{n}"
         for n in range(10_000)

@@ -72,14 +72,14 @@ def test_every_check_passes_on_this_backend() -> None:
     rows = results(output)
     assert set(rows) == set(ROWS), output
     skipped = {name for name, result in rows.items() if result == "SKIP"}
-    assert skipped == {"Redis fast path configuration", "Redis fast path survives an outage"}
+    assert skipped == {"Redis copy configuration", "Redis copy survives an outage"}
     assert "effects committed: 1" in unwrapped(output) and "lost: 0" in unwrapped(output)
     assert "Every check passed." in output
     nothing_left_behind()
 
 
 @pytest.mark.parametrize("redis", ["standalone", "cluster"])
-def test_the_redis_fast_path_survives_an_outage(
+def test_the_redis_copy_survives_an_outage(
     settings: Any, request: pytest.FixtureRequest, redis: str
 ) -> None:
     options: dict[str, Any] = {"SOCKET_CONNECT_TIMEOUT": 0.5, "SOCKET_TIMEOUT": 0.5}
@@ -102,7 +102,7 @@ def test_the_redis_fast_path_survives_an_outage(
     report = verify()
     by_name = {result.name: result for result in report.results}
     assert report.ok, report.table()
-    outage = by_name["Redis fast path survives an outage"]
+    outage = by_name["Redis copy survives an outage"]
     assert outage.passed is True
     assert "replay 201 with 0 database queries" in outage.evidence
     assert "copied to Redis: yes" in outage.evidence
@@ -197,7 +197,7 @@ def test_an_unknown_cache_alias_is_reported_not_raised(settings: Any) -> None:
     assert error is not None
     assert "IDEMPOTENCY['CACHE_ALIAS'] = 'nowhere' is not an alias in CACHES" in unwrapped(output)
     rows = results(output)
-    assert rows["Redis fast path configuration"] == "FAIL"
+    assert rows["Redis copy configuration"] == "FAIL"
     assert rows["system checks (django_idempotency)"] == "FAIL"  # E040 too
     assert rows["concurrent duplicates run once"] == "SKIP"
 

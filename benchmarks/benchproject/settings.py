@@ -1,9 +1,9 @@
 """Benchmark-only settings: the demo's payments app, served in one of several variants.
 
 ``BENCH_VARIANT`` picks what guards ``POST /api/v1/payments/``: ``ours`` (database only),
-``ours-redis`` (with the Redis fast path), ``ours-memory`` (database only, answers kept in
-each worker's memory for 5 s: ``LOCAL_REPLAY_SECONDS``), ``ours-middleware`` (the Redis fast
-path, guarded by ``IdempotencyMiddleware`` instead of the mixin; its clients send an
+``ours-redis`` (with the Redis copy), ``ours-memory`` (database only, answers kept in
+each worker's memory for 5 s: ``LOCAL_REPLAY_SECONDS``), ``ours-middleware`` (the Redis
+copy, guarded by ``IdempotencyMiddleware`` instead of the mixin; its clients send an
 ``Authorization`` header, which scopes their keys: ``benchmarks.run.AUTHORIZATION``), or one
 of the PyPI peers wired as their READMEs say (``dik``: django-idempotency-key, ``drfi-db`` /
 ``drfi-redis``: drf-idempotency, ``drfik``: drf-idempotencykey). ``all`` installs every app, for

@@ -135,7 +135,7 @@ class DemoInfoSerializer(serializers.Serializer[dict[str, Any]]):
     lease_seconds = serializers.FloatField(help_text="IDEMPOTENCY['LEASE_SECONDS']")
     ttl_seconds = serializers.FloatField(help_text="IDEMPOTENCY['TTL_SECONDS']")
     faults = serializers.BooleanField(help_text="Whether X-Demo-Fault is honoured (DEMO_FAULTS).")
-    fast_path = serializers.BooleanField(help_text="Whether the Redis fast path is configured.")
+    redis_copy = serializers.BooleanField(help_text="Whether the Redis copy is configured.")
     broker = serializers.BooleanField(help_text="Whether tasks go to a broker.")
     database = serializers.CharField(help_text="The database backend in use.")
     payout_seconds = serializers.FloatField(help_text="How long a payout takes in the worker.")
@@ -151,7 +151,7 @@ class DemoInfoView(generics.GenericAPIView[Any]):
             "lease_seconds": conf.LEASE_SECONDS,
             "ttl_seconds": conf.TTL_SECONDS,
             "faults": settings.DEMO_FAULTS,
-            "fast_path": conf.CACHE_ALIAS is not None,
+            "redis_copy": conf.CACHE_ALIAS is not None,
             "broker": bool(settings.CELERY_BROKER_URL),
             "database": settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1],
             "payout_seconds": settings.DEMO_PAYOUT_SECONDS,

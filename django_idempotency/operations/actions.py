@@ -80,7 +80,7 @@ def release_records(
     request again: that is what an operator asks for when the stored response was wrong.
 
     Each released record is announced with ``key_released`` (``reason="admin"`` by default)
-    after its batch commits, which is when the Redis fast path deletes its own entry.
+    after its batch commits, which is when the Redis copy deletes its own entry.
     """
 
     def release(using: str, rows: list[Row]) -> tuple[list[Row], int]:

@@ -83,14 +83,14 @@ _EVENTS = 3
 PLAN: tuple[tuple[str, str], ...] = (
     ("system checks (django_idempotency)", "nothing: runs the app's system checks"),
     ("databases: migrated, writable", "one marker per database, rolled back"),
-    ("Redis fast path configuration", "nothing: PING"),
+    ("Redis copy configuration", "nothing: PING"),
     ("concurrent duplicates run once", "a key and a marker (the effect)"),
     ("fingerprint mismatch is 422", "a key and a marker"),
     ("replay is byte-identical, no Set-Cookie", "nothing more"),
     ("killed request taken over, runs once", "a key and a marker; kills a child process"),
     ("ATOMIC_REQUESTS and routers honoured", "two keys and a marker (one rolled back)"),
     ("outbox survives a killed relay", "4 outbox events on a scratch topic; kills a child relay"),
-    ("Redis fast path survives an outage", "two keys, their Redis copies and two markers"),
+    ("Redis copy survives an outage", "two keys, their Redis copies and two markers"),
 )
 
 
@@ -193,7 +193,7 @@ def verify(options: VerifyOptions | None = None) -> Report:
         ("killed request taken over, runs once", lambda: _killed_request(scratch, options)),
         ("ATOMIC_REQUESTS and routers honoured", lambda: _transactions(scratch)),
         ("outbox survives a killed relay", lambda: _killed_relay(scratch, options)),
-        ("Redis fast path survives an outage", lambda: _redis_outage(scratch)),
+        ("Redis copy survives an outage", lambda: _redis_outage(scratch)),
     ]
     if not configured:
         for name, _ in checks:
@@ -374,9 +374,9 @@ def _write_probe(model: type[Model], alias: str, scratch: _Scratch) -> None:
 
 
 def _cache_alias() -> tuple[Result, bool]:
-    """The fast path's cache, and whether its problem stops every request (a Redis that does
+    """The Redis copy's cache, and whether its problem stops every request (a Redis that does
     not answer does not: requests fall back to the database)."""
-    name = "Redis fast path configuration"
+    name = "Redis copy configuration"
     alias = conf.CACHE_ALIAS
     if alias is None:
         return Result(name, None, "CACHE_ALIAS is None: the database answers every request"), False
@@ -947,7 +947,7 @@ def _closed_port() -> int:
 
 
 def _redis_outage(scratch: _Scratch) -> Result:
-    name = "Redis fast path survives an outage"
+    name = "Redis copy survives an outage"
     alias = conf.CACHE_ALIAS
     if alias is None:
         return Result(name, None, "CACHE_ALIAS is None: no Redis to lose")
@@ -981,14 +981,14 @@ def _redis_outage(scratch: _Scratch) -> Result:
         "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 1},
     }
     outage = {**getattr(settings, "IDEMPOTENCY", {}), "CACHE_ALIAS": _OUTAGE_ALIAS}
-    signals.fast_path_failed.connect(count_failure, dispatch_uid=f"{PREFIX}-{scratch.run}")
+    signals.redis_copy_failed.connect(count_failure, dispatch_uid=f"{PREFIX}-{scratch.run}")
     try:
         with override_settings(CACHES=caches, IDEMPOTENCY=outage):
             replay_down = requests.send(before, b"{}", _view(scratch, "redis-before"))
             ran_down = requests.send(during, b"{}", _view(scratch, "redis-during"))
             retry_down = requests.send(during, b"{}", _view(scratch, "redis-during"))
     finally:
-        signals.fast_path_failed.disconnect(dispatch_uid=f"{PREFIX}-{scratch.run}")
+        signals.redis_copy_failed.disconnect(dispatch_uid=f"{PREFIX}-{scratch.run}")
     retry_up = requests.send(during, b"{}", _view(scratch, "redis-during"))
     effects = (scratch.effects("redis-before"), scratch.effects("redis-during"))
     evidence = (

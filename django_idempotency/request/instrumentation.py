@@ -40,12 +40,12 @@ __all__ = [
     "announce",
     "attached",
     "completed",
-    "fast_path_failed",
     "hand_off_skipped",
     "handed_off",
     "instrumented",
     "lease_lost",
     "log_fields",
+    "redis_copy_failed",
     "released",
     "store_failed",
     "store_unavailable",
@@ -150,22 +150,22 @@ def store_failed(identity: Identity, exc: BaseException) -> StoreUnavailable | N
     return None
 
 
-def fast_path_failed(
+def redis_copy_failed(
     operation: str, scope: str, key: str, exc: BaseException, level: int = logging.WARNING
 ) -> None:
-    """A Redis error: logged, and sent as ``fast_path_failed``; the database answers instead."""
+    """A Redis error: logged, and sent as ``redis_copy_failed``; the database answers instead."""
     logger.log(
         level,
-        "idempotency Redis fast path failed; using the database",
+        "idempotency Redis copy failed; using the database",
         extra={
-            "idempotency_event": "fast_path_failed",
+            "idempotency_event": "redis_copy_failed",
             "idempotency_operation": operation,
             "idempotency_scope": scope,
             "idempotency_key": key if conf.LOG_KEYS else redact(key),
         },
         exc_info=exc,
     )
-    signals.fast_path_failed.send(
+    signals.redis_copy_failed.send(
         sender=IdempotencyRecord, scope=scope, key=key, operation=operation, error=exc
     )
 

@@ -301,8 +301,8 @@ def identify(request: HttpRequest, key: str, *, scope: str, fingerprint: str) ->
 def claim(
     identity: Identity, *, lease_seconds: float | None = None, ttl_seconds: float | None = None
 ) -> Decision:
-    """Claim a key: a replay kept in this process's memory or in Redis, else the record
-    store's decision. A key this process answered lately (its next request is likely a retry)
+    """Claim a key: an answer kept in this process's memory or the Redis copy, else the
+    record store's decision. A key this process answered lately (its next request is likely a retry)
     is read first: a replay, a 409 or a 422 needs no claim.
 
     ``lease_seconds`` and ``ttl_seconds`` override the settings for this key (see

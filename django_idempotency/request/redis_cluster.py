@@ -4,7 +4,7 @@
 django-redis speaks to one Redis server per ``LOCATION``; against a cluster that answers
 ``MOVED`` for four keys in five. redis-py's ``RedisCluster`` follows the cluster's slot map
 itself, with a connection pool per node, and takes a new map when a failover moves a slot. The
-fast path sends single-key commands only (see :mod:`django_idempotency.request.redis_copy`), so it
+Redis copy sends single-key commands only (see :mod:`django_idempotency.request.redis_copy`), so it
 needs nothing else from the client.
 """
 

@@ -10,10 +10,10 @@ marker in Redis, and a Redis that is down, slow or restarted can never refuse a 
 replay something the database does not hold.
 
 Each command names one key (``GET``, ``SET``, ``DEL``), under a name hash-tagged per record
-(:func:`redis_key`), so the fast path runs unchanged on Redis Cluster
+(:func:`redis_key`), so the Redis copy works unchanged on Redis Cluster
 (:class:`django_idempotency.request.redis_cluster.ClusterConnectionFactory`).
 
-Any Redis error is logged, sent as :data:`~django_idempotency.signals.fast_path_failed` and
+Any Redis error is logged, sent as :data:`~django_idempotency.signals.redis_copy_failed` and
 answered by the database instead. The process then leaves Redis alone for
 ``CACHE_RETRY_SECONDS``, so a Redis that hangs costs one timeout, not one per request; copies are
 still deleted (:func:`forget`) while resting, since a copy left behind could replay a key an
@@ -92,7 +92,7 @@ def _client() -> Any:
     connection it keeps out of the cache's pool.
 
     Taking a connection from the pool and giving it back, as redis-py does around each command,
-    was a third of a ``GET``'s CPU, and every request with the fast path sends one. The kept
+    was a third of a ``GET``'s CPU, and every request with the Redis copy on sends one. The kept
     connection is the pool's (its address, timeouts and credentials).
     """
     state = _thread_state()
@@ -277,4 +277,4 @@ def _failed(
     alias, pause = conf.CACHE_ALIAS, conf.CACHE_RETRY_SECONDS
     if alias is not None and pause > 0:
         _resting_until[alias] = time.monotonic() + pause
-    instrumentation.fast_path_failed(operation, scope, key, exc, level)
+    instrumentation.redis_copy_failed(operation, scope, key, exc, level)

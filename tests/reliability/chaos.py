@@ -6,7 +6,7 @@ touched): a PostgreSQL cluster or a MariaDB server of its own (``--database``; b
 ``--database all``), the demo served by gunicorn with the demo's
 configuration (several workers), ``manage.py outbox_relay --loop`` processes whose in-process
 publisher hands each ``payment.completed`` event to the demo's idempotent ledger consumer, and,
-for the second half of the run, a Redis of its own as the idempotency fast path.
+for the second half of the run, a Redis of its own for the idempotency Redis copy.
 
 The load: client threads, each paying one logical payment after another. Every payment has its
 own Idempotency-Key and a unique amount, and is sent again after a short backoff until it gets
@@ -90,7 +90,7 @@ DB_DOWN = "{database} down"
 REDIS = "Redis killed"
 RELAY = "relay SIGKILL"
 KINDS = (WORKER, DB_RESTART, DB_DOWN, REDIS, RELAY)
-#: The run's halves: the database alone, then the database behind the Redis fast path.
+#: The run's halves: the database alone, then the database behind the Redis copy.
 PHASES = ("{database}", "{database} + Redis")
 
 

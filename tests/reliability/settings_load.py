@@ -2,7 +2,7 @@
 
 Persistent database connections, as a production deployment has them: a database restart then
 breaks connections a worker already holds, the harder case for recovery. With
-``RELIABILITY_REDIS_URL`` set, the Redis fast path runs in front of the database. Server errors
+``RELIABILITY_REDIS_URL`` set, the Redis copy runs in front of the database. Server errors
 go to stderr, so a failing test shows the traceback the client never sees.
 """
 
@@ -27,7 +27,7 @@ if os.environ.get("RELIABILITY_REDIS_URL"):
             "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 0.25, "SOCKET_TIMEOUT": 0.25},
         },
     }
-    # A one-second rest after each Redis error (the default is 5), so that the fast path is
+    # A one-second rest after each Redis error (the default is 5), so that the Redis copy is
     # back in use within the few seconds of load the test leaves after Redis returns.
     IDEMPOTENCY = {**IDEMPOTENCY, "CACHE_ALIAS": "idempotency", "CACHE_RETRY_SECONDS": 1}
 

@@ -174,7 +174,7 @@ def test_postgresql_restart_under_load_answers_503_and_recovers_by_itself(
 
 
 def _redis_entries(redis: PrivateRedis) -> dict[str, bytes]:
-    """The fast path's entries by idempotency key (``...idem:<n>:<scope>:<key>``)."""
+    """The Redis copy's entries by idempotency key (``...idem:<n>:<scope>:<key>``)."""
     client = redis.client()
     entries = {}
     try:
@@ -237,8 +237,8 @@ def test_redis_hung_then_lost_under_load_falls_back_to_the_database_and_comes_ba
     # Served from the database alone, correctly: no 5xx at all, one effect per key.
     problems = violations(outcomes, effects, allowed=frozenset({201, 409}), keys=keys)
     assert not problems, "\n".join(problems[:40])
-    assert entries_before > 0, "the fast path was not in use before Redis failed"
+    assert entries_before > 0, "the Redis copy was not in use before Redis failed"
     assert stats["answered_while_redis_hung"] > 0
     assert stats["answered_while_redis_down"] > 0
-    # The fast path is used again: keys replayed after Redis came back are copied to it.
+    # The Redis copy is used again: keys replayed after Redis came back are copied to it.
     assert later and len(cached_later) >= len(later) / 2, stats

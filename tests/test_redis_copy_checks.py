@@ -1,4 +1,4 @@
-"""System checks for the Redis fast path settings (E040, E041, E042, W040)."""
+"""System checks of the Redis copy's settings (E040, E041, E042, W040)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ REDIS = {
 }
 
 
-def check_fast_path():
-    return [message for check in checks.FAST_PATH_CHECKS for message in check()]
+def check_redis_copy():
+    return [message for check in checks.CACHE_CHECKS for message in check()]
 
 
 def ids(settings, alias, caches):
     settings.CACHES = caches
     settings.IDEMPOTENCY = {"CACHE_ALIAS": alias}
-    return [message.id for message in check_fast_path()]
+    return [message.id for message in check_redis_copy()]
 
 
 def test_no_alias_is_fine(settings):
@@ -30,7 +30,7 @@ def test_no_alias_is_fine(settings):
 
 
 def test_good_alias_is_fine(settings):
-    assert ids(settings, "fast", {"default": REDIS, "fast": REDIS}) == []
+    assert ids(settings, "copies", {"default": REDIS, "copies": REDIS}) == []
 
 
 @pytest.mark.parametrize("alias", ["missing", 3])
@@ -51,13 +51,13 @@ def test_no_socket_timeouts(settings):
 @pytest.mark.parametrize("retry", [-1, "-1", "soon", None, True])
 def test_retry_seconds_must_be_a_number_at_least_zero(settings, retry):
     settings.IDEMPOTENCY = {"CACHE_RETRY_SECONDS": retry}
-    assert [message.id for message in check_fast_path()] == [checks.E042]
+    assert [message.id for message in check_redis_copy()] == [checks.E042]
 
 
 @pytest.mark.parametrize("retry", [0, 0.5, 30, "5", " 0.25 "])
 def test_retry_seconds_accepts_zero_and_more(settings, retry):
     settings.IDEMPOTENCY = {"CACHE_RETRY_SECONDS": retry}
-    assert check_fast_path() == []
+    assert check_redis_copy() == []
 
 
 @pytest.mark.django_db(databases="__all__")  # Django 6 asks every database about JSON
