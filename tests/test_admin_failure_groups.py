@@ -158,7 +158,7 @@ def test_nothing_failed_says_so(superuser):
 
 
 def test_many_groups_are_paged(superuser, monkeypatch):
-    from django_idempotency import admin
+    from django_idempotency.admin import failure_groups as admin
 
     monkeypatch.setattr(admin, "GROUPS_PER_PAGE", 2)
     for n, minutes in enumerate((10, 20, 30)):
