@@ -232,3 +232,24 @@ def test_nothing_else_in_the_package_imports_ninja():
         cwd=Path(__file__).resolve().parent.parent,
     )
     assert result.stdout.strip() == "False False"
+
+
+@pytest.fixture
+def atomic_requests() -> Any:
+    """ATOMIC_REQUESTS on the business database, as a project would set it."""
+    from django.db import connections
+
+    settings_dict = connections["default"].settings_dict
+    saved = settings_dict["ATOMIC_REQUESTS"]
+    settings_dict["ATOMIC_REQUESTS"] = True
+    yield
+    settings_dict["ATOMIC_REQUESTS"] = saved
+
+
+@pytest.mark.usefixtures("atomic_requests")
+def test_under_atomic_requests_a_retry_still_replays_and_an_error_still_rolls_back(key: str):
+    assert post(SYNC, {"name": "a", "fail": True}, key).status_code == 503
+    assert not Widget.objects.exists() and record_of(key) is None
+    first, replay = post(SYNC, {"name": "a"}, key), post(SYNC, {"name": "a"}, key)
+    assert (first.status_code, replay["Idempotent-Replay"]) == (201, "true")
+    assert replay.content == first.content and Widget.objects.count() == 1
