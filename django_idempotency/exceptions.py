@@ -259,6 +259,8 @@ class WebhookRejected(IdempotencyHTTPError):
 
 
 class WebhookSignatureInvalid(WebhookRejected):
+    """A missing, malformed or wrong signature (400): every bad signature gets this one answer."""
+
     title = "Webhook signature invalid"
     default_code = "webhook_signature_invalid"
     default_message = "Sign the delivery with the endpoint's secret."
@@ -269,6 +271,8 @@ class WebhookSignatureInvalid(WebhookRejected):
 
 
 class WebhookTimestampStale(WebhookRejected):
+    """A signed timestamp further from now than the provider's tolerance (400)."""
+
     title = "Webhook timestamp stale"
     default_code = "webhook_timestamp_stale"
     default_message = "Send a fresh delivery; check the sender's clock."
@@ -279,6 +283,8 @@ class WebhookTimestampStale(WebhookRejected):
 
 
 class WebhookIdInvalid(WebhookRejected):
+    """No event id, or not 1-255 printable ASCII characters without spaces (400)."""
+
     title = "Webhook event id invalid"
     default_code = "webhook_id_invalid"
     default_message = "Send the event's id as the provider specifies."
@@ -289,6 +295,8 @@ class WebhookIdInvalid(WebhookRejected):
 
 
 class WebhookBodyTooLarge(WebhookRejected):
+    """A body over the endpoint's ``max_body`` (413); unread when its Content-Length says so."""
+
     status_code = 413
     title = "Webhook body too large"
     default_code = "webhook_body_too_large"
