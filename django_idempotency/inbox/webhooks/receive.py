@@ -111,7 +111,8 @@ def idempotent_webhook(
 
     ``consumer``: the inbox's name for this endpoint; by default ``webhook:<provider>:<the
     handler's dotted path>``. Name it to keep it across a rename. ``max_body``: the largest body
-    accepted, in bytes (default: ``DATA_UPLOAD_MAX_MEMORY_SIZE``, read on each delivery).
+    accepted, in bytes (default: ``DATA_UPLOAD_MAX_MEMORY_SIZE``, read on each delivery, which
+    also bounds a larger ``max_body``: raise the setting for bodies above it).
     ``using``: the database of the inbox (default: where the router writes ``ProcessedMessage``).
     """
 
