@@ -39,6 +39,11 @@ __all__ = [
     "TransactionInProgress",
     "TransactionRequired",
     "UnroutableTopic",
+    "WebhookBodyTooLarge",
+    "WebhookIdInvalid",
+    "WebhookRejected",
+    "WebhookSignatureInvalid",
+    "WebhookTimestampStale",
 ]
 
 if TYPE_CHECKING:
@@ -237,6 +242,66 @@ class IdempotencyKeyNotFound(IdempotencyHTTPError):
         "credentials, or it expired or was released. Retrying the request itself with the key "
         "is safe."
     )
+
+
+# --- inbound webhooks (inbox/webhooks) -------------------------------------------------------
+
+
+class WebhookRejected(IdempotencyHTTPError):
+    """An inbound webhook refused before anything was stored: the sender's delivery failed a
+    check, so its handler did not run and nothing was marked processed."""
+
+    status_code = 400
+    title = "Webhook rejected"
+    default_code = "webhook_rejected"
+    default_message = "Fix the delivery; the handler did not run."
+    default_detail = "The webhook delivery was rejected; nothing was done."
+
+
+class WebhookSignatureInvalid(WebhookRejected):
+    """A missing, malformed or wrong signature (400): every bad signature gets this one answer."""
+
+    title = "Webhook signature invalid"
+    default_code = "webhook_signature_invalid"
+    default_message = "Sign the delivery with the endpoint's secret."
+    default_detail = (
+        "The webhook's signature is missing, malformed, or does not match the body with this "
+        "endpoint's secret; nothing was done."
+    )
+
+
+class WebhookTimestampStale(WebhookRejected):
+    """A signed timestamp further from now than the provider's tolerance (400)."""
+
+    title = "Webhook timestamp stale"
+    default_code = "webhook_timestamp_stale"
+    default_message = "Send a fresh delivery; check the sender's clock."
+    default_detail = (
+        "The webhook's signed timestamp is too far from now (a replayed delivery, or a clock "
+        "that is off); nothing was done."
+    )
+
+
+class WebhookIdInvalid(WebhookRejected):
+    """No event id, or not 1-255 printable ASCII characters without spaces (400)."""
+
+    title = "Webhook event id invalid"
+    default_code = "webhook_id_invalid"
+    default_message = "Send the event's id as the provider specifies."
+    default_detail = (
+        "The webhook's event id is missing or malformed (1 to 255 printable ASCII characters, "
+        "no spaces); nothing was done."
+    )
+
+
+class WebhookBodyTooLarge(WebhookRejected):
+    """A body over the endpoint's ``max_body`` (413); unread when its Content-Length says so."""
+
+    status_code = 413
+    title = "Webhook body too large"
+    default_code = "webhook_body_too_large"
+    default_message = "Send a smaller body, or raise the endpoint's max_body."
+    default_detail = "The webhook's body is larger than this endpoint accepts; nothing was done."
 
 
 # --- @idempotent_function -----------------------------------------------------------------------

@@ -37,7 +37,7 @@ ONCE = frozenset(
         "test_openapi", "test_outbox_checks", "test_packaging", "test_ports", "test_proxy",
         "test_publishers", "test_pytest_plugin", "test_quickstart", "test_redis_cluster",
         "test_route_secrets", "test_tasks", "test_tracing", "test_verify",
-        "test_webhook_signatures",
+        "test_webhook_providers", "test_webhook_signatures", "test_webhook_standard",
     }
 )  # fmt: skip
 

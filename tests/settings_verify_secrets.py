@@ -9,7 +9,7 @@ from tests.settings import IDEMPOTENCY
 #: Each of these must stay out of the command line and environment of every child process.
 WEBHOOK_PASSWORD = "wh-pa55-7c1e9a"
 WEBHOOK_TOKEN = "wh-tok-3b8d02"
-SIGNING_SECRET = "whsec-5f0a4c"
+SIGNING_SECRET = "whsec_c2lnbmluZy01ZjBhNGM="  # base64 of "signing-5f0a4c"
 NATS_PASSWORD = "nats-pa55-e61b"
 NATS_TOKEN = "nats-tok-92fd"
 AMQP_PASSWORD = "amqp-pa55-0d7c"

@@ -259,7 +259,7 @@ def webhook_timeout() -> tuple[str, str]:
         silent.listen(8)
         port = silent.getsockname()[1]
         url = f"http://127.0.0.1:{port}/hooks/{'9f' * 12}?token=XYZ"
-        publisher = WebhookPublisher(url=url, secret="s3cret", timeout=0.3)
+        publisher = WebhookPublisher(url=url, secret="whsec_czNjcmV0", timeout=0.3)
         message = OutboxMessage.from_event(OutboxEventFactory.build(topic="partners.invoice"))
         try:
             publisher.publish(message)

@@ -198,3 +198,13 @@ def test_every_guarantee_names_the_test_that_proves_it() -> None:
     assert len(rows) > 50
     unproven = [row for row in rows if "test" not in row[2]]
     assert not unproven
+
+
+def test_the_changelog_and_every_page_stay_a_size_a_user_reads() -> None:
+    """The changelog and the performance page at most 12 KB, any other page at most 30 KB: the
+    laboratory notebook is ``benchmarks/NOTES.md``, the history is git's."""
+    root = DOCS.parent
+    assert len((root / "CHANGELOG.md").read_bytes()) <= 12 * 1024
+    assert len((DOCS / "performance.md").read_bytes()) <= 12 * 1024
+    too_big = [page.name for page in DOCS.rglob("*.md") if len(page.read_bytes()) > 30 * 1024]
+    assert not too_big

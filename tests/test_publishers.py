@@ -1,3 +1,4 @@
+import base64
 import contextlib
 import json
 import logging
@@ -35,6 +36,9 @@ from django_idempotency.publishers.webhook import (
 )
 from tests.outbox_support import CeilingRandom, publish_committed, settings_with
 from tests.proxy import tcp_proxy
+
+#: A Standard Webhooks secret, as the webhook publisher signs with by default.
+SECRET = "whsec_" + base64.b64encode(b"a test signing key, 32 bytes!!!").decode()
 
 #: A W3C traceparent as ``publish()`` stores it from the request's span.
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -283,8 +287,10 @@ def receiver():
     server.close()
 
 
-def test_webhook_posts_signed_json_with_the_event_id_as_idempotency_key(receiver):
-    publisher = WebhookPublisher(url=receiver.url, secret="s3cret", timeout=5)
+def test_webhook_legacy_scheme_posts_signed_json_with_the_event_id_as_idempotency_key(receiver):
+    publisher = WebhookPublisher(
+        url=receiver.url, secret="s3cret", timeout=5, signature_scheme="legacy"
+    )
     sent = message(tenant="acme", traceparent=TRACEPARENT)
     publisher.publish(sent)
     publisher.publish(message())
@@ -314,7 +320,7 @@ def test_webhook_signatures_expire():
 
 def test_webhook_non_2xx_is_a_failure(receiver):
     receiver.status = 503
-    publisher = WebhookPublisher(url=receiver.url, secret="k")
+    publisher = WebhookPublisher(url=receiver.url, secret=SECRET)
     with pytest.raises(PublishError, match="answered 503"):
         publisher.publish(message())
     publisher.close()
@@ -328,7 +334,7 @@ def test_webhook_refused_credentials_are_a_configuration_error_for_the_whole_bat
     is sent to meet the same answer, and the URL's password stays out of the error."""
     receiver.status = status
     url = receiver.url.replace("http://", "http://hooks:pa55-w0rd@")
-    publisher = WebhookPublisher(url=url, secret="k")
+    publisher = WebhookPublisher(url=url, secret=SECRET)
     results = publisher.publish_many([message(), message(), message()])
     publisher.close()
     assert all(isinstance(result, BrokerConfigurationError) for result in results)
@@ -342,7 +348,7 @@ def test_webhook_unreachable_fails_the_rest_of_the_batch():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    publisher = WebhookPublisher(url=f"http://127.0.0.1:{port}/", secret="k", timeout=2)
+    publisher = WebhookPublisher(url=f"http://127.0.0.1:{port}/", secret=SECRET, timeout=2)
     results = publisher.publish_many([message(), message()])
     publisher.close()
     assert all(isinstance(result, BrokerUnavailable) for result in results)
@@ -359,7 +365,7 @@ def test_webhook_read_timeout_is_a_publish_error():
     listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
     try:
         url = f"http://127.0.0.1:{listener.getsockname()[1]}/"
-        publisher = WebhookPublisher(url=url, secret="k", timeout=0.5)
+        publisher = WebhookPublisher(url=url, secret=SECRET, timeout=0.5)
         with pytest.raises(PublishError, match="failed"):
             publisher.publish(message())
         publisher.close()
@@ -423,7 +429,7 @@ FAILURES = [
 @pytest.mark.parametrize(("failure", "error_type", "reason"), FAILURES)
 def test_webhook_errors_show_a_redacted_url_and_never_a_credential(failure, error_type, reason):
     with failing_receiver(failure) as origin:
-        publisher = WebhookPublisher(url=url_with_credentials(origin), secret="k", timeout=0.5)
+        publisher = WebhookPublisher(url=url_with_credentials(origin), secret=SECRET, timeout=0.5)
         with pytest.raises(error_type) as caught:
             publisher.publish(message())
         publisher.close()
@@ -447,7 +453,7 @@ def record_text(record: logging.LogRecord) -> str:
 def test_relay_stores_and_logs_webhook_failures_without_credentials(failure, caplog):
     caplog.set_level(logging.DEBUG)  # every logger: ours, the relay's, httpx's and httpcore's
     with failing_receiver(failure) as origin:
-        options = {"url": url_with_credentials(origin), "secret": "k", "timeout": 0.5}
+        options = {"url": url_with_credentials(origin), "secret": SECRET, "timeout": 0.5}
         routes = {"orders.*": {"BACKEND": WEBHOOK, "OPTIONS": options}}
         with settings_with(OUTBOX_PUBLISHERS=routes), Relay(rng=CeilingRandom()) as relay:
             event = publish_committed()
@@ -467,7 +473,7 @@ def test_relay_stores_and_logs_webhook_failures_without_credentials(failure, cap
 def test_webhook_sends_its_real_url_while_httpx_only_sees_the_redacted_one(receiver, caplog):
     caplog.set_level(logging.DEBUG)
     url = url_with_credentials(receiver.url.removesuffix("/hooks/"))
-    publisher = WebhookPublisher(url=url + "#fragment", secret="k", timeout=5)
+    publisher = WebhookPublisher(url=url + "#fragment", secret=SECRET, timeout=5)
     publisher.publish(message())
     publisher.close()
     headers, _ = receiver.requests[0]
@@ -507,7 +513,7 @@ def test_secret_path_segments_masks_short_secrets_by_position():
     assert redact_url(url) == url
     assert redact_url(url, secret_segments=[2]) == "https://hooks.example/catch/123/***/"
     assert redact_url(url, secret_segments=[-2, 9]) == "https://hooks.example/catch/123/***/"
-    publisher = WebhookPublisher(url=url, secret="k", secret_path_segments=[2])
+    publisher = WebhookPublisher(url=url, secret=SECRET, secret_path_segments=[2])
     assert str(publisher.shown_url) == "https://hooks.example/catch/123/***/"
     publisher.close()
 
@@ -518,7 +524,7 @@ def test_secret_path_segments_masks_short_secrets_by_position():
 )
 def test_webhook_url_errors_never_quote_the_url(url):
     with pytest.raises(IdempotencyConfigurationError, match="'url' must be an absolute") as caught:
-        WebhookPublisher(url=url, secret="k")
+        WebhookPublisher(url=url, secret=SECRET)
     assert_no_credentials(str(caught.value))
 
 

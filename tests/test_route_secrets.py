@@ -29,7 +29,7 @@ from tests.outbox_support import settings_with
 
 pytestmark = pytest.mark.django_db(databases="__all__")
 
-SECRET = "whsec-0f9e8d7c6b5a"
+SECRET = "whsec_d2hzZWMtMGY5ZThkN2M2YjVh"  # base64 of "whsec-0f9e8d7c6b5a"
 PASSWORD = "pa55-w0rd-4f3e"
 TOKEN = "tok-1a2b3c4d"
 SECRETS = (SECRET, PASSWORD, TOKEN)

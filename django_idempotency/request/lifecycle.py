@@ -835,9 +835,11 @@ async def serve_async(
     options: Options,
     *,
     view: Callable[..., Any] | None = None,
+    scope: Callable[[], str] | None = None,
+    fingerprint: Callable[[], str] | None = None,
     screen: Screen | None = None,
 ) -> HttpResponseBase:
-    """:func:`serve` for an async view.
+    """:func:`serve` for an async view (``scope`` and ``fingerprint`` as there).
 
     The view's transaction must live in one thread. The lifecycle runs in the thread Django's
     async ORM calls use (``thread_sensitive``), and the async view inside it: its
@@ -850,7 +852,9 @@ async def serve_async(
         header(request, conf.HEADER) is None and not conf.KEY_REQUIRED
     ):
         return await call_view()
-    return await _serve_from_loop(request, async_to_sync(call_view), options, view, screen)
+    return await _serve_from_loop(
+        request, async_to_sync(call_view), options, view, screen, scope, fingerprint
+    )
 
 
 async def serve_sync_view_async(
@@ -874,11 +878,20 @@ async def _serve_from_loop(
     options: Options,
     view: Callable[..., Any] | None,
     screen: Screen | None,
+    scope: Callable[[], str] | None = None,
+    fingerprint: Callable[[], str] | None = None,
 ) -> HttpResponseBase:
     """The thread's part hands a duplicate that may wait back registered (:class:`Attaching`);
     the loop awaits it, holding no thread; a second part in the thread claims again."""
     served = await sync_to_async(_serve, thread_sensitive=True)(
-        request, call, options, view=view, screen=screen, detach=True
+        request,
+        call,
+        options,
+        view=view,
+        scope=scope,
+        fingerprint=fingerprint,
+        screen=screen,
+        detach=True,
     )
     if not isinstance(served, Attaching):
         return served
