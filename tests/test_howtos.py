@@ -66,6 +66,15 @@ def test_the_quickstart_and_then_every_howto_in_one_project(tmp_path: Path, amqp
                 PAGE_BROKER: amqp_url,
             }
             follow(steps(QUICKSTART.read_text()), reader, QUICKSTART)
+            # What the quick start promises, checked behind its back: one payment, refunded,
+            # one event.
+            state = reader.shell(
+                "python manage.py shell --verbosity 0 -c '"
+                "from payments.models import Payment; "
+                "from django_idempotency.models import OutboxEvent; "
+                "print([p.status for p in Payment.objects.all()], OutboxEvent.objects.count())'"
+            )
+            assert state.strip() == "['refunded'] 1"
             for page in howto_pages():
                 follow(steps(page.read_text(), "howto"), reader, page)
 
