@@ -32,11 +32,12 @@ DEMO_SERVE := $(VENV)/bin/python -m gunicorn --config python:demo_project.gunico
 # each with a database of its own and its output in artifacts/<pass>.log, each spread over
 # TEST_WORKERS pytest-xdist workers (the tests spend much of their time waiting on sleeps,
 # leases and subprocesses). Every test runs on PostgreSQL with Django 5.2 (the reference pass);
-# the tests that depend on the database backend run on MariaDB too; the Django 6 pass runs
-# everything but the environment builders (marker slow) on SQLite; then the reliability suite.
-# Tests whose outcome does not depend on the backend are listed in tests/conftest.py (ONCE).
+# the tests that depend on the database backend run on MariaDB too, and on SQLite with Django 6
+# together with those that meet Django itself; the reliability suite runs beside them. The tests
+# whose outcome does not depend on the backend are listed in tests/conftest.py (ONCE, and of
+# those DJANGO_SERIES).
 TEST_PASSES := test-dj52-postgresql test-reliability test-dj6-sqlite test-dj52-mariadb
-TEST_JOBS ?= 2
+TEST_JOBS ?= 3
 TEST_WORKERS ?= 3
 XDIST = -n $(TEST_WORKERS) --dist loadfile
 RUN_PASSES = $(VENV)/bin/python -m tests.passes --jobs $(TEST_JOBS) --make "$(MAKE)"
@@ -47,7 +48,7 @@ pytest-pass = rm -f .coverage.$(3) .coverage.$(3).* && TEST_DATABASE=$(2) COVERA
 # What each pass runs (pytest -m).
 EVERYTHING := not reliability
 BACKEND_ONLY := not reliability and not once
-NOT_SLOW := not reliability and not slow
+DJANGO_SERIES_TESTS := not reliability and not slow and (not once or django_series)
 
 .PHONY: demo tour test test-quick lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay bench-retention chaos \
 	test-dj52-sqlite test-dj52-postgresql test-dj52-mariadb test-dj6-sqlite test-dj6-postgresql
@@ -131,7 +132,7 @@ test-django6: $(VENV_DJANGO6)/.installed
 	$(RUN_PASSES) test-dj6-sqlite
 
 ## test-dj52-postgresql (every test), test-dj52-mariadb (the backend's own), test-dj6-sqlite
-## (all but slow): one pass, in the terminal; test-dj52-sqlite and test-dj6-postgresql run the
+## (the backend's own and those that meet Django): one pass, in the terminal; test-dj52-sqlite and test-dj6-postgresql run the
 ## backend's own tests, outside `make test`
 test-dj52-postgresql: $(VENV)/.installed
 	$(call pytest-pass,$(VENV),postgresql,dj52.postgresql,$(XDIST) -m "$(EVERYTHING)")
@@ -140,7 +141,7 @@ test-dj52-mariadb test-dj52-sqlite: test-dj52-%: $(VENV)/.installed
 	$(call pytest-pass,$(VENV),$*,dj52.$*,$(XDIST) -m "$(BACKEND_ONLY)")
 
 test-dj6-sqlite: $(VENV_DJANGO6)/.installed
-	$(call pytest-pass,$(VENV_DJANGO6),sqlite,dj6.sqlite,$(XDIST) -m "$(NOT_SLOW)" --ignore=tests/demo)
+	$(call pytest-pass,$(VENV_DJANGO6),sqlite,dj6.sqlite,$(XDIST) -m "$(DJANGO_SERIES_TESTS)")
 
 test-dj6-postgresql: $(VENV_DJANGO6)/.installed
 	$(call pytest-pass,$(VENV_DJANGO6),postgresql,dj6.postgresql,$(XDIST) -m "$(BACKEND_ONLY)")
@@ -149,7 +150,7 @@ test-dj6-postgresql: $(VENV_DJANGO6)/.installed
 # On PostgreSQL only: the faults restart private PostgreSQL, Redis and RabbitMQ instances that
 # the suite starts itself, so the shared services are never touched.
 test-reliability: $(VENV)/.installed
-	$(call pytest-pass,$(VENV),postgresql,reliability,-m reliability tests/reliability)
+	$(call pytest-pass,$(VENV),postgresql,reliability,-n 2 --dist loadfile -m reliability tests/reliability)
 
 ## chaos: the demo under load while workers, the database, Redis and the relay are killed; a table
 # On PostgreSQL, then on MariaDB, each a private server of the run's own with a private Redis

@@ -42,11 +42,25 @@ ONCE = frozenset(
 )  # fmt: skip
 
 
+#: Of those, the ones that meet Django itself (its check framework, settings, admin, CSRF, DRF's
+#: schema and browsable API): ``make test``'s Django 6 pass runs them too (``django_series``).
+DJANGO_SERIES = frozenset(
+    {
+        "test_admin_browser", "test_browsable", "test_checks", "test_checks_deploy",
+        "test_checks_operations", "test_conf", "test_function_view_csrf", "test_openapi",
+        "test_outbox_checks", "test_redis_copy_checks", "test_tasks",
+    }
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         module = item.module.__name__ if item.module is not None else ""
-        if module.rpartition(".")[2] in ONCE or module.startswith("tests.demo."):
+        name = module.rpartition(".")[2]
+        if name in ONCE or module.startswith("tests.demo."):
             item.add_marker(pytest.mark.once)
+        if name in DJANGO_SERIES:
+            item.add_marker(pytest.mark.django_series)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
