@@ -24,7 +24,7 @@ from django.db import connection, connections
 from django.test import AsyncClient, Client
 from standardwebhooks import Webhook
 
-from django_idempotency.models import FailedMessage, ProcessedMessage
+from django_idempotency.models import FailedMessage, IdempotencyRecord, ProcessedMessage
 from django_idempotency.publishers import OutboxMessage
 from django_idempotency.publishers.webhook import WebhookPublisher
 from tests.testapp import webhooks
@@ -190,6 +190,38 @@ def test_an_async_handler_runs_once():
     assert [answer.json() for answer in answers] == [{"handled": "msg_async"}, {"duplicate": True}]
     assert list(Widget.objects.values_list("name", flat=True)) == ["async:msg_async"]
     assert ProcessedMessage.objects.filter(consumer="standard-async").count() == 1
+
+
+def guarded_by_the_middleware(settings: Any) -> None:
+    settings.IDEMPOTENCY = {**settings.IDEMPOTENCY, "MIDDLEWARE_PATHS": [r"^/hooks/"]}
+
+
+def test_under_the_middleware_a_delivery_needs_no_key_and_is_handled_once(settings):
+    guarded_by_the_middleware(settings)
+    client = Client()
+    answers = [stripe_post(client, stripe_event("evt_mw")) for _ in range(2)]
+    body = json.dumps({"type": "user.created"}).encode()
+    answers += [async_post("msg_mw_async", body) for _ in range(2)]
+    assert [answer.status_code for answer in answers] == [200, 200, 200, 200]
+    assert [answer.json() for answer in answers] == [
+        {"handled": "evt_mw"},
+        {"duplicate": True},
+        {"handled": "msg_mw_async"},
+        {"duplicate": True},
+    ]
+    assert sorted(Widget.objects.values_list("name", flat=True)) == [
+        "async:msg_mw_async",
+        "stripe:evt_mw",
+    ]
+    assert not IdempotencyRecord.objects.exists()
+
+
+def test_control_without_the_mark_the_middleware_asks_the_sender_for_a_key(settings, monkeypatch):
+    guarded_by_the_middleware(settings)
+    monkeypatch.delattr(webhooks.stripe_webhook, "idempotency_exempt")
+    answer = stripe_post(Client(), stripe_event("evt_mw_control"))
+    assert answer.status_code == 400 and answer["Content-Type"] == PROBLEM
+    assert not Widget.objects.exists()
 
 
 def test_an_async_handler_that_raises_marks_nothing_and_records_the_failure():

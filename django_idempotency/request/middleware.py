@@ -13,7 +13,9 @@ refusal is the view's own 401, 403 or 429, at once.
 
 Only paths that match one of ``MIDDLEWARE_PATHS`` (regular expressions, searched in
 ``request.path_info``) and methods in ``MIDDLEWARE_METHODS`` are guarded. Views behind it that
-also use the mixin or the decorator are guarded once, here.
+also use the mixin or the decorator are guarded once, here. Views marked
+:func:`idempotency_exempt` (every ``idempotent_webhook`` is) are left alone: they deduplicate by
+other means, and their callers send no key.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, TypeVar
 
 from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponseBase
@@ -29,7 +31,19 @@ from django.http import HttpRequest, HttpResponseBase
 from django_idempotency.conf import conf
 from django_idempotency.request import lifecycle
 
-__all__ = ["IdempotencyMiddleware"]
+__all__ = ["IdempotencyMiddleware", "idempotency_exempt"]
+
+ViewT = TypeVar("ViewT", bound=Callable[..., Any])
+
+
+def idempotency_exempt(view: ViewT) -> ViewT:
+    """Keep ``IdempotencyMiddleware`` off ``view`` even where ``MIDDLEWARE_PATHS`` matches it.
+
+    For a view that deduplicates by other means, whose callers send no ``Idempotency-Key``:
+    :func:`~django_idempotency.inbox.webhooks.idempotent_webhook` marks its views so.
+    """
+    view.idempotency_exempt = True  # type: ignore[attr-defined]
+    return view
 
 
 @lru_cache(maxsize=64)
@@ -92,7 +106,7 @@ class IdempotencyMiddleware:
         ``async_to_sync``, so the view's database calls and the response's storage share one
         transaction.
         """
-        if not self.guards(request):
+        if not self.guards(request) or getattr(view_func, "idempotency_exempt", False):
             return None
         options = self.options()
         if not lifecycle.guards(request, options):
@@ -116,7 +130,7 @@ class IdempotencyMiddleware:
         """:meth:`process_view` under ASGI: the lifecycle and the view run in the thread the
         async ORM calls use, as there; a duplicate that waits for a request in flight waits on
         the event loop."""
-        if not self.guards(request):
+        if not self.guards(request) or getattr(view_func, "idempotency_exempt", False):
             return None
         options = self.options()
         if not lifecycle.guards(request, options):

@@ -50,6 +50,7 @@ from django_idempotency.exceptions import (
 from django_idempotency.inbox.consumers import Consumption, consume_once
 from django_idempotency.inbox.webhooks.providers import Delivery, Provider
 from django_idempotency.request import lifecycle
+from django_idempotency.request.middleware import idempotency_exempt
 from django_idempotency.request.responses import PROBLEM_CONTENT_TYPE, problem_response
 
 __all__ = ["WebhookEvent", "WebhookNotHandled", "default_consumer", "idempotent_webhook"]
@@ -105,7 +106,8 @@ def idempotent_webhook(
     The handler is called as ``handler(request, event, *args, **kwargs)`` with a
     :class:`WebhookEvent`, inside the transaction that marks the event processed; it may be
     ``async def`` (it then runs in the thread Django's async ORM calls use, so its database calls
-    share that transaction). The view is exempt from CSRF (senders send no token) and from
+    share that transaction). The view is exempt from CSRF (senders send no token), from
+    ``IdempotencyMiddleware`` (senders send no key: the event id is the key) and from
     ``ATOMIC_REQUESTS`` (the inbox opens the transaction, and those of the other
     ``ATOMIC_REQUESTS`` databases inside it).
 
@@ -138,7 +140,7 @@ def idempotent_webhook(
                 return _handle(request, received, name, handler, handler, using, args, kwargs)
 
             view = functools.wraps(handler)(sync_view)
-        return lifecycle.opt_out_of_atomic_requests(csrf_exempt(view))
+        return lifecycle.opt_out_of_atomic_requests(idempotency_exempt(csrf_exempt(view)))
 
     return decorate
 
