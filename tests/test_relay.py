@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 from django.db import OperationalError, connection, connections, transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from django_idempotency import signals
@@ -75,6 +75,24 @@ def test_a_failing_event_holds_back_its_key_only():
     with Relay() as relay:
         relay.drain()
     assert sent_payloads() == [10, 99, 11, 12, 0, 1, 2]
+
+
+def test_a_relay_made_with_only_sees_nothing_else_of_the_outbox():
+    """``Relay(only=...)``: it claims only the matching events, and an event it does not see
+    (an earlier one of the same key, leased elsewhere) holds none of them back."""
+    gate = publish_committed(payload={"n": 0}, key="k")
+    OutboxEvent.objects.filter(pk=gate.pk).update(
+        locked_until=timezone.now() + timedelta(days=1)
+    )  # leased by another relay: every other relay holds the key back
+    mine = [publish_committed(payload={"n": n}, key="k") for n in (1, 2)]
+    with Relay() as relay:
+        assert relay.drain().claimed == 0
+    other = publish_committed(payload={"n": 3})
+    with Relay(only=Q(pk__in=[event.pk for event in mine])) as relay:
+        stats = relay.drain()
+    assert (stats.claimed, stats.published) == (2, 2)
+    assert sent_payloads() == [1, 2]
+    assert OutboxEvent.objects.get(pk=other.pk).status == OutboxEvent.Status.PENDING
 
 
 def test_per_key_order_holds_across_many_injected_failures():

@@ -36,7 +36,7 @@ from typing import Any
 from django.conf import settings
 from django.db import DatabaseError, connections, router, transaction
 from django.db.migrations.loader import MigrationLoader
-from django.db.models import Model
+from django.db.models import Model, Q
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.test import RequestFactory
 from django.test.utils import CaptureQueriesContext, override_settings
@@ -787,15 +787,10 @@ def _transactions(scratch: _Scratch) -> Result:
 # --- the outbox: a relay killed between publish and ack -----------------------------------------
 
 
-class _ScratchRelay(Relay):
-    """A relay that sees only this run's scratch events, never the project's own."""
-
-    def __init__(self, event_ids: Sequence[int], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.event_ids = list(event_ids)
-
-    def _events(self) -> Any:
-        return super()._events().filter(pk__in=self.event_ids)
+def _scratch_relay(event_ids: Sequence[int], **kwargs: Any) -> Relay:
+    """A relay that sees only this run's scratch events, never the project's own (nor the
+    gate, which holds the project's relays back from them)."""
+    return Relay(only=Q(pk__in=list(event_ids)), **kwargs)
 
 
 class HaltingPublisher(Publisher):
@@ -860,7 +855,7 @@ def _killed_relay(scratch: _Scratch, options: VerifyOptions) -> Result:
         before = len(broker.snapshot())
         republished: list[str] = []
         deadline = time.monotonic() + options.lease_seconds + options.timeout
-        with _ScratchRelay(ids, using=using) as relay:
+        with _scratch_relay(ids, using=using) as relay:
             while time.monotonic() < deadline:
                 stats = relay.drain()
                 if OutboxEvent.objects.using(using).filter(
@@ -1093,6 +1088,6 @@ def _child_relay(arguments: dict[str, Any]) -> None:
     }
     with (
         override_settings(IDEMPOTENCY=halted),
-        _ScratchRelay(arguments["ids"], lease_seconds=arguments["lease"]) as relay,
+        _scratch_relay(arguments["ids"], lease_seconds=arguments["lease"]) as relay,
     ):
         relay.run_once()

@@ -237,6 +237,11 @@ class Relay:
     (see db/session_locks.py). :meth:`run_forever` turns it on; a relay that only drains once (the
     on-commit kick, the Celery task, a test) claims from every key and opens no connection for a
     seat.
+
+    ``only``: a ``Q`` on ``OutboxEvent``; the relay then acts as if the outbox held only the
+    events it matches. It claims no other event, and no other event holds its events back, so
+    the order per key holds among those events alone: for a tool that relays events of its own
+    (``idempotency_verify``'s scratch events), never to split a project's outbox between relays.
     """
 
     def __init__(
@@ -248,6 +253,7 @@ class Relay:
         rng: random.Random | None = None,
         allow_in_transaction: bool = False,
         share_keys: bool = False,
+        only: Q | None = None,
     ) -> None:
         self.using = using or router.db_for_write(OutboxEvent)
         self.batch_size = batch_size or conf.OUTBOX_BATCH_SIZE
@@ -255,6 +261,7 @@ class Relay:
         self.rng = rng or random.Random()
         self.allow_in_transaction = allow_in_transaction
         self.share_keys = share_keys
+        self.only = only
         self.publishers = PublisherSet()
         self._publisher_names: dict[int, str] = {}
         #: Routes whose broker refused them lately: until when, and the refusal.
@@ -459,7 +466,9 @@ class Relay:
     # --- claim --------------------------------------------------------------------------------
 
     def _events(self) -> OutboxEventQuerySet:
-        return OutboxEvent.objects.using(self.using).all()
+        """The events this relay sees: the whole outbox, or those ``only`` matches."""
+        events = OutboxEvent.objects.using(self.using)
+        return events.all() if self.only is None else events.filter(self.only)
 
     def _candidates(self, now: Moment) -> OutboxEventQuerySet:
         """Due events in relay order that no earlier event with their key holds back."""
