@@ -57,7 +57,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
@@ -89,6 +89,7 @@ from django_idempotency.db import (
     dialect,
     postgresql,
     prepared,
+    rows,
     session_locks,
     to_datetime,
 )
@@ -514,21 +515,26 @@ class Relay:
             candidates = self._share(candidates, seat)
         token = uuid.uuid4()
         statement, params = postgresql.outbox_claim_statement(
-            _quoted_table(connection),
-            functools.partial(_quoted_column, connection),
+            rows.quoted_table(connection, OutboxEvent),
+            functools.partial(rows.quoted_column, connection, OutboxEvent),
             candidates=self._compile(candidates),
             outsiders=self._outsiders,
             fallback=fallback,
-            returned=[_quoted_column(connection, field) for field in _event_fields()],
+            returned=[
+                rows.quoted_column(connection, OutboxEvent, field)
+                for field in rows.concrete_fields(OutboxEvent)
+            ],
             pending=OutboxStatus.PENDING,
             relay_lock=session_locks.lock_id(token) if session_locks.enabled(self.using) else None,
             lease_seconds=self.lease_seconds,
             token=token,
         )
-        rows = postgresql.fetch_outbox_claim(connection, statement, params)
-        read_at, held = rows[0][0], rows[0][1]
+        found = postgresql.fetch_outbox_claim(connection, statement, params)
+        read_at, held = found[0][0], found[0][1]
         clock = DatabaseClock(read_at=to_datetime(read_at), monotonic=time.monotonic())
-        events = [_event_from_row(connection, row[2:]) for row in rows if row[2] is not None]
+        events = [
+            rows.from_row(OutboxEvent, self.using, row[2:]) for row in found if row[2] is not None
+        ]
         if held and not events:
             # Nothing was left to lease once the lock was taken (the fence found every row
             # changed): let go of the lock of a batch that does not exist.
@@ -578,15 +584,15 @@ class Relay:
                 # This relay's share of the keys, so relays never take the heads of the same
                 # keys and block each other (see _share); when it has none due, what any other
                 # relay has left waiting for a whole lease (that relay hangs, say).
-                rows = self._without_outsiders(
+                batch = self._without_outsiders(
                     list(self._share(candidates, seat)[: self.batch_size])
                 )
-                if not rows:
+                if not batch:
                     left = candidates.filter(self._left_waiting(now))
-                    rows = self._without_outsiders(list(left[: self.batch_size]))
+                    batch = self._without_outsiders(list(left[: self.batch_size]))
             else:
-                rows = self._without_outsiders(list(candidates[: self.batch_size]))
-            if not rows:
+                batch = self._without_outsiders(list(candidates[: self.batch_size]))
+            if not batch:
                 return [], clock
             token = uuid.uuid4()
             if session_locks.enabled(self.using):
@@ -596,7 +602,7 @@ class Relay:
             # (without SKIP LOCKED), and the publish budget counts from after the claim, so a
             # lease counted from before the wait could run out first.
             until = clock.now() + timedelta(seconds=self.lease_seconds)
-            ids = [row.pk for row in rows]
+            ids = [row.pk for row in batch]
             # Fenced on the lease being free, so even a database without row locks can never
             # hand one event to two relays.
             claimed = (
@@ -605,10 +611,10 @@ class Relay:
                 .update(locked_until=until, relay_token=token)
             )
             if claimed != len(ids):
-                rows = list(self._events().filter(relay_token=token).in_relay_order())
-        for row in rows:
+                batch = list(self._events().filter(relay_token=token).in_relay_order())
+        for row in batch:
             row.locked_until, row.relay_token = until, token
-        return rows, clock
+        return batch, clock
 
     def _share(
         self, candidates: OutboxEventQuerySet, seat: session_locks.Seat
@@ -626,17 +632,17 @@ class Relay:
         since = now - timedelta(seconds=self.lease_seconds)
         return Q(attempts=0, created_at__lte=since) | Q(attempts__gt=0, next_attempt_at__lte=since)
 
-    def _without_outsiders(self, rows: list[OutboxEvent]) -> list[OutboxEvent]:
+    def _without_outsiders(self, batch: list[OutboxEvent]) -> list[OutboxEvent]:
         """Drop events with an earlier unpublished same-key event outside this batch.
 
         SKIP LOCKED may have skipped that earlier event because another relay is claiming it
         right now; sending the later one meanwhile would overtake it.
         """
-        keyed = [row.pk for row in rows if row.key]
+        keyed = [row.pk for row in batch if row.key]
         if not keyed:
-            return rows
-        ids = [row.pk for row in rows]
-        keys = {row.key for row in rows if row.key}
+            return batch
+        ids = [row.pk for row in batch]
+        keys = {row.key for row in batch if row.key}
         outsider = (
             self._events()
             .filter(key__in=keys)
@@ -653,7 +659,7 @@ class Relay:
             )
             .values_list("pk", flat=True)
         )
-        return [row for row in rows if row.pk not in held]
+        return [row for row in batch if row.pk not in held]
 
     # --- publish ------------------------------------------------------------------------------
 
@@ -839,19 +845,19 @@ class Relay:
         (``db.postgresql.outbox_ack_statement``); the ids of the events it changed."""
         connection = connections[self.using]
         relay_lock = session_locks.enabled(self.using) and token is not None
-        rows: list[tuple[int, str, dict[str, Any]]] = [
+        outcome_rows: list[tuple[int, str, dict[str, Any]]] = [
             *((event.pk, postgresql.ACK_SENT, _SENT) for event in sent),
             *((failure.event.pk, postgresql.ACK_FAILED, failure.changes) for failure in failures),
             *((pk, postgresql.ACK_UNTRIED, {}) for pk in untried),
         ]
         params: dict[str, Any] = {
-            "id": [pk for pk, _, _ in rows],
-            "kind": [kind for _, kind, _ in rows],
+            "id": [pk for pk, _, _ in outcome_rows],
+            "kind": [kind for _, kind, _ in outcome_rows],
             "now": now,
             "token": token,
         }
         for name in postgresql.ACK_COLUMNS:
-            params[name] = [changes.get(name) for _, _, changes in rows]
+            params[name] = [changes.get(name) for _, _, changes in outcome_rows]
         if relay_lock:
             assert token is not None
             params["relay_lock"] = session_locks.lock_id(token)
@@ -962,49 +968,6 @@ _SENT: dict[str, Any] = {
 }
 
 
-@functools.cache
-def _event_fields() -> tuple[Field[Any, Any], ...]:
-    return tuple(OutboxEvent._meta.concrete_fields)
-
-
-def _quoted_table(connection: BaseDatabaseWrapper) -> str:
-    return str(connection.ops.quote_name(OutboxEvent._meta.db_table))
-
-
-def _quoted_column(connection: BaseDatabaseWrapper, field: str | Field[Any, Any]) -> str:
-    if isinstance(field, str):
-        field = cast("Field[Any, Any]", OutboxEvent._meta.get_field(field))
-    return str(connection.ops.quote_name(cast(str, field.column)))
-
-
-def _event_from_row(connection: BaseDatabaseWrapper, values: Sequence[Any]) -> OutboxEvent:
-    """An event from its concrete columns as a cursor returned them, converted as the ORM
-    would (JSON, say)."""
-    converted = [
-        functools.reduce(lambda value, convert: convert(value, column, connection), converters, raw)
-        for raw, (column, converters) in zip(values, _converters(connection.alias), strict=True)
-    ]
-    return OutboxEvent.from_db(connection.alias, _event_attnames(), converted)
-
-
-@functools.lru_cache(maxsize=16)
-def _converters(using: str) -> list[tuple[Any, list[Any]]]:
-    """Per concrete column, the ORM's converters for values read on this connection."""
-    connection = connections[using]
-    table = OutboxEvent._meta.db_table
-    result = []
-    for field in _event_fields():
-        column = field.get_col(table)
-        converters = connection.ops.get_db_converters(column) + column.get_db_converters(connection)
-        result.append((column, converters))
-    return result
-
-
-@functools.cache
-def _event_attnames() -> tuple[str, ...]:
-    return tuple(field.attname for field in _event_fields())
-
-
 @functools.lru_cache(maxsize=16)
 def _ack_statement(using: str, relay_lock: bool) -> str:
     """The acknowledgement's text: it depends only on the connection, so it is built once."""
@@ -1014,8 +977,8 @@ def _ack_statement(using: str, relay_lock: bool) -> str:
         for name in ("id", "published_at", *postgresql.ACK_COLUMNS)
     }
     return postgresql.outbox_ack_statement(
-        _quoted_table(connection),
-        functools.partial(_quoted_column, connection),
+        rows.quoted_table(connection, OutboxEvent),
+        functools.partial(rows.quoted_column, connection, OutboxEvent),
         types,
         relay_lock=relay_lock,
     )

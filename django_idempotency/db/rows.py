@@ -1,0 +1,75 @@
+"""A model's rows in hand-written SQL: its columns, quoted and in order, and instances built from
+what a raw cursor returned.
+
+Where one statement does what the ORM would do in several (a claim, an acknowledgement, a read
+that returns the database's time with the row), the cursor hands back the driver's values:
+SQLite's timestamps as text, JSON as text. The ORM runs each field's converters before it
+builds an instance; :func:`from_row` runs the same ones, so an instance read this way equals one
+the ORM read.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, TypeVar, cast
+
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Field, Model
+
+__all__ = ["attnames", "concrete_fields", "from_row", "quoted_column", "quoted_table"]
+
+_M = TypeVar("_M", bound=Model)
+
+
+@functools.cache
+def concrete_fields(model: type[Model]) -> tuple[Field[Any, Any], ...]:
+    """The model's concrete fields in column order: what a statement selects for
+    :func:`from_row`, in that order."""
+    return tuple(model._meta.concrete_fields)
+
+
+@functools.cache
+def attnames(model: type[Model]) -> tuple[str, ...]:
+    """The attribute names of :func:`concrete_fields`. Known from the statement's text, so never
+    read from ``cursor.description``, which builds a column object, its type looked up, for
+    every column of every read."""
+    return tuple(field.attname for field in concrete_fields(model))
+
+
+def from_row(model: type[_M], using: str, values: Sequence[Any]) -> _M:
+    """An instance from its concrete columns (in :func:`concrete_fields` order) as a cursor on
+    ``using`` returned them, each converted as the ORM converts it."""
+    connection = connections[using]
+    converted = [
+        functools.reduce(lambda value, convert: convert(value, column, connection), converters, raw)
+        for raw, (column, converters) in zip(values, _converters(model, using), strict=True)
+    ]
+    return model.from_db(using, attnames(model), converted)
+
+
+@functools.lru_cache(maxsize=32)
+def _converters(model: type[Model], using: str) -> list[tuple[Any, list[Any]]]:
+    """Per concrete column, the ORM's converters for values read on this connection."""
+    connection = connections[using]
+    table = model._meta.db_table
+    result = []
+    for field in concrete_fields(model):
+        column = field.get_col(table)
+        converters = connection.ops.get_db_converters(column) + column.get_db_converters(connection)
+        result.append((column, converters))
+    return result
+
+
+def quoted_table(connection: BaseDatabaseWrapper, model: type[Model]) -> str:
+    return str(connection.ops.quote_name(model._meta.db_table))
+
+
+def quoted_column(
+    connection: BaseDatabaseWrapper, model: type[Model], field: str | Field[Any, Any]
+) -> str:
+    """A column, named by its field or the field's name, quoted for ``connection``."""
+    if isinstance(field, str):
+        field = cast("Field[Any, Any]", model._meta.get_field(field))
+    return str(connection.ops.quote_name(cast(str, field.column)))
