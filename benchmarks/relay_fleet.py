@@ -51,7 +51,8 @@ from django_idempotency.db.querysets import OutboxStatus  # noqa: E402
 from django_idempotency.exceptions import PublishError  # noqa: E402
 from django_idempotency.models import OutboxEvent  # noqa: E402
 from django_idempotency.outbox import publish  # noqa: E402
-from django_idempotency.outbox.relay import Relay, RelayStats  # noqa: E402
+from django_idempotency.outbox.relay import Relay  # noqa: E402
+from django_idempotency.outbox.report import RelayStats  # noqa: E402
 from django_idempotency.publishers.amqp import AMQPPublisher  # noqa: E402
 from django_idempotency.publishers.base import OutboxMessage, Publisher  # noqa: E402
 from django_idempotency.publishers.celery import CeleryPublisher  # noqa: E402
@@ -148,10 +149,10 @@ def child(out: str, batch_size: int | None) -> None:
         connection.ensure_connection()
         # Seated before the go, and looking again at once after it: every relay then knows
         # how many there are from its first claim (the steady state, not the first second).
-        relay._look_at_seat()
+        relay._seating.look()
         print("READY", flush=True)
         sys.stdin.readline()
-        relay._next_look_at_seat = 0.0
+        relay._seating.next_look = 0.0
         started = time.monotonic_ns()
         cpu = time.process_time()
         while True:

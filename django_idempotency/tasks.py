@@ -66,7 +66,7 @@ def _task(func: F) -> F:
 @_task
 def relay_outbox(batch_size: int | None = None, max_batches: int = 50) -> dict[str, int]:
     """Publish due outbox events until none are left (or ``max_batches``); returns the pass's
-    :class:`~django_idempotency.outbox.relay.RelayStats` as a dict."""
+    :class:`~django_idempotency.outbox.report.RelayStats` as a dict."""
     from django_idempotency.outbox.relay import Relay
 
     with Relay(batch_size=batch_size) as relay:

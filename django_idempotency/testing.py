@@ -19,7 +19,8 @@ from django.db.models import F
 
 from django_idempotency import signals
 from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox.relay import Relay, RelayStats
+from django_idempotency.outbox.relay import Relay
+from django_idempotency.outbox.report import RelayStats
 from django_idempotency.publishers.base import OutboxMessage
 from django_idempotency.publishers.memory import broker
 

@@ -20,7 +20,8 @@ from django.db import connection, connections, transaction
 
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import publish
-from django_idempotency.outbox.relay import DatabaseClock, Relay
+from django_idempotency.outbox.clock import DatabaseClock
+from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.memory import broker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

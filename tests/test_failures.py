@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from django.utils import timezone
 
 from django_idempotency.core import failures
 from django_idempotency.core.failures import (
@@ -17,7 +20,7 @@ from django_idempotency.core.failures import (
 )
 from django_idempotency.exceptions import BrokerUnavailable, PublishError
 from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox import relay
+from django_idempotency.outbox import ack
 
 
 @pytest.mark.parametrize(
@@ -65,7 +68,8 @@ def test_the_type_and_the_words_tell_failures_apart():
 def test_a_stored_error_gives_the_same_fingerprint_as_the_exception():
     """The migration fingerprints old failures from ``last_error``; both must agree."""
     error = PublishError("x" * 3000 + " order 12")
-    assert relay._describe(error) == describe(error)
+    [failure] = ack._failures([(OutboxEvent(), error)], timezone.now(), random.Random())
+    assert failure.changes["last_error"] == describe(error)
     assert len(describe(error)) == MESSAGE_MAX_CHARS
     assert fingerprint_of(describe(error)) == failure_fingerprint(error)
 

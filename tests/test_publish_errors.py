@@ -27,7 +27,7 @@ from django_idempotency.models import OutboxEvent
 from django_idempotency.observability.metrics import OutboxCollector
 from django_idempotency.operations import health
 from django_idempotency.operations.actions import retry_events
-from django_idempotency.outbox import relay as relay_module
+from django_idempotency.outbox import send
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 from django_idempotency.publishers.memory import broker
@@ -135,7 +135,7 @@ def test_a_refused_route_is_not_asked_again_for_retries_within_the_window() -> N
 
 
 def test_after_the_window_a_refused_route_is_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(relay_module, "REFUSED_ROUTE_SECONDS", 0.0)
+    monkeypatch.setattr(send, "REFUSED_ROUTE_SECONDS", 0.0)
     publish_committed()
     with settings_with(OUTBOX_PUBLISHERS=REFUSING), Relay() as relay:
         relay.run_once()

@@ -461,7 +461,7 @@ def test_relay_stores_and_logs_webhook_failures_without_credentials(failure, cap
     event.refresh_from_db()
     assert f"webhook {origin}/hooks/***?token=*** " in event.last_error
     assert_no_credentials(event.last_error)
-    warnings = [r for r in caplog.records if r.name == "django_idempotency.outbox.relay"]
+    warnings = [r for r in caplog.records if r.name == "django_idempotency.outbox.announce"]
     assert [r.getMessage() for r in warnings] == ["outbox publish failed; will retry"]
     assert warnings[0].outbox_error == event.last_error
     if failure == "500":  # httpx logs every response it gets, with the URL it was given

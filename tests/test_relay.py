@@ -15,7 +15,9 @@ from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.operations.actions import discard, retry_dead
 from django_idempotency.outbox import publish
-from django_idempotency.outbox.relay import Relay, backoff_delay
+from django_idempotency.outbox.ack import backoff_delay
+from django_idempotency.outbox.relay import Relay
+from django_idempotency.outbox.send import send
 from django_idempotency.publishers.memory import broker
 from tests.outbox_support import (
     CeilingRandom,
@@ -437,7 +439,7 @@ class ExplodingPublisher:
 )
 def test_a_publisher_that_breaks_fails_its_whole_group(publisher, error):
     events = [publish_committed(payload={"n": n}) for n in range(2)]
-    results = Relay._send(publisher, [OutboxEvent.objects.get(pk=e.pk) for e in events])
+    results = send(publisher, [OutboxEvent.objects.get(pk=e.pk) for e in events])
     assert len(results) == 2 and all(error in str(result) for result in results)
 
 
@@ -476,7 +478,7 @@ def test_a_claim_that_waited_for_the_database_lock_still_gets_its_whole_lease():
 def test_a_polling_relay_comes_back_soon_after_a_busy_pass_and_backs_off_while_idle():
     """Without LISTEN the relay polls: 50 ms after a pass that found events, then twice as long
     after each pass that finds none, never longer than the poll."""
-    from django_idempotency.outbox.relay import _waiter
+    from django_idempotency.outbox.waiting import waiter
 
     class Recorded(threading.Event):
         def __init__(self):
@@ -488,7 +490,7 @@ def test_a_polling_relay_comes_back_soon_after_a_busy_pass_and_backs_off_while_i
             return False
 
     stop = Recorded()
-    with settings_with(OUTBOX_NOTIFY=False), _waiter(connection.alias) as wait:
+    with settings_with(OUTBOX_NOTIFY=False), waiter(connection.alias) as wait:
         wait(1.0, stop, True)
         for _ in range(6):
             wait(1.0, stop, False)

@@ -145,7 +145,7 @@ def test_a_stuck_relays_share_waits_at_most_a_lease():
             left = OutboxEvent.objects.exclude(status=OutboxEvent.Status.PUBLISHED)
             assert relay.drain().published == 0  # the rest is the stuck relay's, for now
             left.update(created_at=F("created_at") - timedelta(seconds=16))
-            relay._next_look_at_seat = 0.0
+            relay._seating.next_look = 0.0
             assert relay.drain().published == len(events) - first.published
         assert sorted(published_ids()) == sorted(events)
     finally:

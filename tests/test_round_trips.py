@@ -394,7 +394,7 @@ def test_a_relay_claim_and_its_acknowledgement_are_one_statement_each_on_postgre
     OutboxEvent.objects.filter(pk__in=[outage.pk, dying.pk]).update(attempts=2)
     relay = Relay(rng=CeilingRandom())
     if fleet > 1:
-        relay._seat = session_locks.Seat(number=0, rank=0, fleet=fleet)
+        relay._seating.seat = session_locks.Seat(number=0, rank=0, fleet=fleet)
 
     with django_assert_num_queries(RELAY_CLAIM[vendor]) as captured:
         events, clock = relay._claim()

@@ -606,7 +606,7 @@ def outbox_ack_statement(
     which events it did change: one row, the array of their ids and the lock's release.
 
     The lock is let go inside the statement, before it commits. A relay that finds it free
-    meanwhile and releases the batch's leases (``Relay._release_batches_of_gone_relays``)
+    meanwhile and releases the batch's leases (``outbox.fleet.GoneRelays``)
     waits for this statement's row locks, and then its UPDATE, fenced on the token, finds the
     token gone and changes nothing.
     """

@@ -11,13 +11,14 @@ it held is taken over at once instead of after the lease.
 * **Owners** of idempotency keys (``request/store.py``): the request that claims a key holds
   its owner lock until it completes or releases it; a duplicate that finds the owner gone takes
   the key over (``Verdict.TAKE_OVER_DEAD_OWNER``), with a new owner token as any takeover.
-* **Batches** of outbox events (``outbox/relay.py``): the relay that claims a batch holds its
-  lock until the ack; between batches a relay releases the batches of relays that are gone.
+* **Batches** of outbox events (``outbox/claim.py``): the relay that claims a batch holds its
+  lock until the ack; between batches a relay releases the batches of relays that are gone
+  (``outbox/fleet.py``).
 * **Sweeps**: a sweep holds its lock while it deletes, so a run that starts while the previous
   one still works skips instead of racing it for the same rows.
 * **Seats**: each relay holds a seat, numbered from 0, on a connection of its own for as long as
   it runs. Counting the seats held in its database tells a relay how many relays run on that
-  outbox and its rank among them, which is how they share the keys (``Relay._claim``); relays of
+  outbox and its rank among them, which is how they share the keys (``outbox/claim.py``); relays of
   other databases on the same server are not counted.
 
 The lease stays the fallback: on SQLite, when ``TAKE_OVER_DEAD_OWNERS`` is off (behind a pooler

@@ -12,7 +12,8 @@ from django.db import DatabaseError
 from django_idempotency.conf import conf
 from django_idempotency.core.failures import describe
 from django_idempotency.models import OutboxEvent
-from django_idempotency.outbox.relay import Relay, RelayStats, RouteFailure
+from django_idempotency.outbox.relay import Relay
+from django_idempotency.outbox.report import RelayStats, RouteFailure
 
 #: Exit status when some events failed to publish (they are retried later, or DEAD).
 EXIT_FAILURES = 3
