@@ -19,6 +19,9 @@ from django.db import connection, connections
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 from django_idempotency.operations import verify as verifying
 from django_idempotency.operations.verify import PLAN, Result, VerifyOptions, verify
+from django_idempotency.operations.verify.outbox import killed_relay
+from django_idempotency.operations.verify.results import guarded
+from django_idempotency.operations.verify.scratch import Scratch, clean_up
 from django_idempotency.request import redis_copy, store
 from tests import settings_verify_secrets as secret_settings
 from tests.servers import ROOT, gunicorn
@@ -230,7 +233,7 @@ def test_a_check_that_raises_fails_with_the_error_not_a_traceback() -> None:
     def broken() -> Result:
         raise RuntimeError("the broker said no\nand more")
 
-    result = verifying._guarded("a check", broken)
+    result = guarded("a check", broken)
     assert result == Result("a check", False, "unexpected error: RuntimeError: the broker said no")
 
 
@@ -269,11 +272,11 @@ def test_leftovers_of_an_interrupted_run_are_swept() -> None:
 def test_the_outbox_check_can_go_through_a_configured_route() -> None:
     """``--outbox-topic``: the scratch events take the route configured for that topic (the
     test settings' catch-all, the in-memory publisher here; a real broker in a project)."""
-    scratch = verifying._Scratch()
+    scratch = Scratch()
     try:
-        result = verifying._killed_relay(scratch, VerifyOptions(outbox_topic="orders.verified"))
+        result = killed_relay(scratch, VerifyOptions(outbox_topic="orders.verified"))
     finally:
-        verifying._clean_up(scratch)
+        clean_up(scratch)
     assert result.passed is True, result.evidence
     assert "on 'orders.verified'" in result.evidence and "lost: 0" in result.evidence
     nothing_left_behind()
@@ -307,19 +310,19 @@ def test_no_secret_of_the_route_reaches_a_child_process(
             super().__init__(*args, **kwargs)
             seen.append((str(self.pid), *exec_image(self.pid)))
 
-    monkeypatch.setattr(verifying.subprocess, "Popen", Watched)
-    scratch = verifying._Scratch()
+    monkeypatch.setattr(subprocess, "Popen", Watched)
+    scratch = Scratch()
     result = None
     try:
         # Nothing listens on the routes' ports: the child fails to publish and says so within
         # the timeout. On a loaded machine it may not even have started by then; what this
         # test reads is the child's exec image, taken as it was spawned.
         with contextlib.suppress(RuntimeError):
-            result = verifying._killed_relay(
+            result = killed_relay(
                 scratch, VerifyOptions(outbox_topic=topic, lease_seconds=1, timeout=5)
             )
     finally:
-        verifying._clean_up(scratch)
+        clean_up(scratch)
     assert len(seen) == 1, result
     pid, cmdline, environ = seen[0]
     assert result is None or pid in result.evidence
