@@ -19,7 +19,7 @@ from django.db import connection, connections
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 from django_idempotency.operations import verify as verifying
 from django_idempotency.operations.verify import PLAN, Result, VerifyOptions, verify
-from django_idempotency.request import redis_copy, store
+from django_idempotency.request import claims, redis_copy
 from tests import settings_verify_secrets as secret_settings
 from tests.servers import ROOT, gunicorn
 from tests.testapp.models import Widget
@@ -155,13 +155,13 @@ def test_against_a_running_deployment() -> None:
 
 def test_a_broken_claim_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """A store that forgets keys lets duplicates run: the checks say so, and exit non-zero."""
-    claim = store.claim
+    claim = claims.claim
 
     def forgetful(identity: Any, owner_token: Any) -> Any:
         IdempotencyRecord.objects.filter(scope=identity.scope, key=identity.key).delete()
         return claim(identity, owner_token)
 
-    monkeypatch.setattr(store, "claim", forgetful)
+    monkeypatch.setattr(claims, "claim", forgetful)
     output, error = run_command()
     assert error is not None and error.returncode == 1
     # Concurrent duplicates may still look fine (a later claim fences the earlier ones out);

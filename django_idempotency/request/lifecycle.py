@@ -6,9 +6,9 @@ call :func:`serve` (or :func:`serve_async`); the DRF mixin calls :func:`admit` a
 authentication, then :func:`run` around its handler; ``@idempotent_function`` calls
 :func:`claim`; a handed-off request's worker calls :func:`run_step`. The claim's outcome is
 dispatched in one place (:func:`settle`), and every door's work runs through one step
-(:func:`run_step`). Below this module sit the rules (``core/statemachine.py``), the record
-store (``store.py``, the database), the Redis copy (``redis_copy.py``) and the answers kept in
-memory (``memory.py``); nothing below calls back up.
+(:func:`run_step`). Below this module sit the rules (``core/statemachine.py``), the claim
+(``claims.py``) and the record store (``store.py``) in the database, the Redis copy
+(``redis_copy.py``) and the answers kept in memory (``memory.py``); nothing below calls back up.
 
 The rules a request meets, whichever door it came through:
 
@@ -73,7 +73,7 @@ from django_idempotency.exceptions import (
     StoreUnavailable,
     TransactionInProgress,
 )
-from django_idempotency.request import attach, instrumentation, memory, redis_copy, store
+from django_idempotency.request import attach, claims, instrumentation, memory, redis_copy, store
 from django_idempotency.request.fingerprint import (
     DJANGO_LIMIT,
     BodyLimit,
@@ -302,11 +302,11 @@ def claim(
     identity: Identity, *, lease_seconds: float | None = None, ttl_seconds: float | None = None
 ) -> Decision:
     """Claim a key: an answer kept in this process's memory or the Redis copy, else the
-    record store's decision. A key this process answered lately (its next request is likely a retry)
+    database's decision. A key this process answered lately (its next request is likely a retry)
     is read first: a replay, a 409 or a 422 needs no claim.
 
     ``lease_seconds`` and ``ttl_seconds`` override the settings for this key (see
-    :func:`store.claim <django_idempotency.request.store.claim>`).
+    :func:`claims.claim <django_idempotency.request.claims.claim>`).
     """
     kept = memory.lookup(identity)
     if kept is not None:
@@ -319,8 +319,8 @@ def claim(
         decision = cached
     else:
         try:
-            answered = store.answer(identity, using) if memory.answered(identity) else None
-            decision = answered or store.claim(
+            answered = claims.answer(identity, using) if memory.answered(identity) else None
+            decision = answered or claims.claim(
                 identity,
                 uuid.uuid4(),
                 lease_seconds=lease_seconds,
