@@ -157,11 +157,13 @@ def test_a_broken_claim_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """A store that forgets keys lets duplicates run: the checks say so, and exit non-zero."""
     claim = claims.claim
 
-    def forgetful(identity: Any, owner_token: Any) -> Any:
+    def forgetful(identity: Any, owner_token: Any, **terms: Any) -> Any:
         IdempotencyRecord.objects.filter(scope=identity.scope, key=identity.key).delete()
-        return claim(identity, owner_token)
+        return claim(identity, owner_token, **terms)
 
     monkeypatch.setattr(claims, "claim", forgetful)
+    # No read answers a likely retry (PostgreSQL's claims.answer) from the key it forgets.
+    monkeypatch.setattr(claims, "answer", lambda identity, using=None: None)
     output, error = run_command()
     assert error is not None and error.returncode == 1
     # Concurrent duplicates may still look fine (a later claim fences the earlier ones out);
