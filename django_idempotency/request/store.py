@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, cast
 
-from django.db import connections, router
+from django.db import InterfaceError, OperationalError, connections, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Field
 
@@ -42,6 +42,7 @@ from django_idempotency.db import postgresql as pg
 from django_idempotency.models import IdempotencyRecord
 
 __all__ = [
+    "UNAVAILABLE_ERRORS",
     "KeyState",
     "ResponseColumns",
     "Terms",
@@ -57,6 +58,11 @@ __all__ = [
     "status_of",
     "stored_response",
 ]
+
+
+#: Database errors that mean "the database is not there": answered 503 rather than 500, and a
+#: key that cannot be released then frees itself when its lease runs out.
+UNAVAILABLE_ERRORS = (OperationalError, InterfaceError)
 
 
 def database_alias() -> str:
