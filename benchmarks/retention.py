@@ -18,7 +18,7 @@ partitions. Then it times retention both ways:
 Each way reports its wall time, the WAL it wrote (``pg_current_wal_lsn()`` before and after),
 and the table's size afterwards (heap, TOAST and indexes of every partition). The two layouts
 live in two databases (``di_retention`` and ``di_retention_partitioned``), both filled before
-either is timed, so that first-time claims (``store.claim`` of fresh keys, one at a time, in
+either is timed, so that first-time claims (``claims.claim`` of fresh keys, one at a time, in
 autocommit as a request's claim runs) can be timed against both in alternating blocks after a
 ``CHECKPOINT``: timed one layout after the other, each right after its own fill and the other's
 sweep, the two medians differed by as much as a fifth between runs of the same code, and by the
@@ -63,7 +63,7 @@ from django_idempotency.db import database_now  # noqa: E402
 from django_idempotency.models import IdempotencyRecord  # noqa: E402
 from django_idempotency.operations import partitions  # noqa: E402
 from django_idempotency.operations.sweeps import sweep_expired_records  # noqa: E402
-from django_idempotency.request import store  # noqa: E402
+from django_idempotency.request import claims  # noqa: E402
 
 DATABASE = "di_retention"
 PARTITIONED_DATABASE = "di_retention_partitioned"
@@ -160,7 +160,7 @@ def time_claims(count: int) -> list[float]:
             method="POST", path="/api/orders/",
         )  # fmt: skip
         started = time.perf_counter()
-        decision = store.claim(identity, uuid.uuid4())
+        decision = claims.claim(identity, uuid.uuid4())
         timings.append(time.perf_counter() - started)
         assert isinstance(decision, Proceed), decision
     # The claims hold their owner locks (nothing completes them): let go of them all.

@@ -145,10 +145,10 @@ ON_POSTGRESQL = settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
 @pytest.fixture(params=["native", "portable"] if ON_POSTGRESQL else ["native"])
 def claim_path(request: Any, monkeypatch: Any) -> str:
     """On PostgreSQL, run a test through the one-statement claim and through the portable one."""
-    from django_idempotency.request import store
+    from django_idempotency.request import claims
 
     if request.param == "portable":
-        monkeypatch.setattr(store, "_claim_postgresql", store._claim_portable)
+        monkeypatch.setattr(claims, "_claim_postgresql", claims._claim_portable)
     return str(request.param)
 
 

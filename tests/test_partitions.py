@@ -38,7 +38,7 @@ from django_idempotency.exceptions import PartitionMissing
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import partitions
 from django_idempotency.operations.sweeps import sweep_expired_records
-from django_idempotency.request import store
+from django_idempotency.request import claims, store
 from tests.factories import identity
 from tests.test_statemachine import MINE, claim_as_the_rules_say, records
 
@@ -119,7 +119,7 @@ def partition_of(key: str) -> list[str]:
 
 
 def claim(key: str, **overrides: Any) -> Decision:
-    return store.claim(identity(key=key, **overrides), uuid.uuid4())
+    return claims.claim(identity(key=key, **overrides), uuid.uuid4())
 
 
 def claim_in_thread(key: str, done: threading.Barrier | None = None) -> Decision:
@@ -201,7 +201,7 @@ def test_a_claim_waiting_on_the_key_lock_sees_a_winner_in_the_partition_before(p
     key = f"boundary-{uuid.uuid4()}"
     second: list[Decision] = []
     with transaction.atomic():
-        first = store.claim(identity(key=key), uuid.uuid4())
+        first = claims.claim(identity(key=key), uuid.uuid4())
         assert isinstance(first, Proceed)
         assert database_now("default") < bound
         wait_until(bound + timedelta(milliseconds=200))
@@ -218,13 +218,13 @@ def test_without_the_key_lock_the_same_race_wins_twice(partitioned, monkeypatch,
     """The control: with the key lock made a no-op, the race above claims one key twice, one
     row in each partition. (So the test above has teeth.)"""
     monkeypatch.setattr(pg, "KEY_LOCK_STEP", "")
-    store._claim_function_text.cache_clear()  # a claim function of its own, without the lock
-    request.addfinalizer(store._claim_function_text.cache_clear)
+    claims._claim_function_text.cache_clear()  # a claim function of its own, without the lock
+    request.addfinalizer(claims._claim_function_text.cache_clear)
     bound = partitioned(database_now("default") + timedelta(seconds=4))
     key = f"unlocked-{uuid.uuid4()}"
     second: list[Decision] = []
     with transaction.atomic():
-        assert isinstance(store.claim(identity(key=key), uuid.uuid4()), Proceed)
+        assert isinstance(claims.claim(identity(key=key), uuid.uuid4()), Proceed)
         wait_until(bound + timedelta(milliseconds=200))
         thread = threading.Thread(target=lambda: second.append(claim_in_thread(key)))
         thread.start()
@@ -371,7 +371,7 @@ def test_the_claim_inside_a_transaction_holds_the_key_lock_until_it_ends(partiti
             return int(cursor.fetchone()[0])
 
     with transaction.atomic():
-        assert isinstance(store.claim(identity(key=key), uuid.uuid4()), Proceed)
+        assert isinstance(claims.claim(identity(key=key), uuid.uuid4()), Proceed)
         assert key_locks() == 1
     assert key_locks() == 0
     # In autocommit the lock lasts the one message: none is left behind.
@@ -685,11 +685,11 @@ def test_the_claim_functions_are_created_when_missing(partitioned):
             "WHERE proname LIKE 'django_idempotency_claim_%%'"
         )
         cursor.execute(f"DROP FUNCTION {cursor.fetchone()[0]}")
-    store._functions_seen.clear()
+    claims._functions_seen.clear()
     assert functions() == 0
     key = f"two-statements-{uuid.uuid4()}"
     with transaction.atomic():
-        assert isinstance(store.claim(identity(key=key), uuid.uuid4()), Proceed)
+        assert isinstance(claims.claim(identity(key=key), uuid.uuid4()), Proceed)
         assert functions() == 0
     assert len(partition_of(key)) == 1
     assert isinstance(claim(f"autocommit-{uuid.uuid4()}"), Proceed)

@@ -308,11 +308,11 @@ def test_the_claim_is_parsed_once_not_on_every_request():
     on every request. Every variant of the claim fits, and a second claim is a cache hit."""
     from psycopg import _queries
 
-    from django_idempotency.request import store
+    from django_idempotency.request import claims
 
     for owner_lock in (True, False):
         for own_transaction in (True, False):
-            text = store._postgresql_claim_text("default", owner_lock, own_transaction)
+            text = claims._postgresql_claim_text("default", owner_lock, own_transaction)
             assert len(text.encode()) <= _queries.MAX_CACHED_STATEMENT_LENGTH, len(text)
     lifecycle.claim(identity("parse-once-1"))
     hits = _queries._query2pg.cache_info().hits

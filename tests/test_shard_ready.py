@@ -21,7 +21,7 @@ from django_idempotency.core import types
 from django_idempotency.db import session_locks
 from django_idempotency.inbox.consumers import consume_once
 from django_idempotency.models import FailedMessage, IdempotencyRecord, ProcessedMessage
-from django_idempotency.request import store
+from django_idempotency.request import claims, store
 from tests.factories import held_elsewhere
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -47,7 +47,7 @@ def identity(scope: str, key: str, fingerprint: str = "f" * 64) -> types.Identit
 
 
 def claimed(scope: str, key: str) -> types.Lease:
-    decision = store.claim(identity(scope, key), uuid.uuid4())
+    decision = claims.claim(identity(scope, key), uuid.uuid4())
     assert isinstance(decision, types.Proceed), decision
     return decision.lease
 
@@ -94,7 +94,7 @@ def test_a_first_claim(scope, key):
 def test_a_replay(scope, key):
     assert store.complete(claimed(scope, key), STORED)
     statements = records_statements(
-        lambda: store.claim(identity(scope, key), uuid.uuid4()) and None
+        lambda: claims.claim(identity(scope, key), uuid.uuid4()) and None
     )
     assert_scoped(statements, scope)
 
@@ -102,9 +102,9 @@ def test_a_replay(scope, key):
 @pytest.mark.usefixtures("claim_path")
 def test_a_conflict_and_a_mismatch(scope, key):
     with held_elsewhere(identity(scope, key)):
-        conflict = records_statements(lambda: store.claim(identity(scope, key), uuid.uuid4()))
+        conflict = records_statements(lambda: claims.claim(identity(scope, key), uuid.uuid4()))
         other = identity(scope, key, "0" * 64)
-        mismatch = records_statements(lambda: store.claim(other, uuid.uuid4()))
+        mismatch = records_statements(lambda: claims.claim(other, uuid.uuid4()))
     assert_scoped(conflict + mismatch, scope)
 
 
@@ -114,7 +114,7 @@ def test_a_takeover_after_the_lease_ran_out(scope, key):
     expire_lease(key)
     taken: list[types.Decision] = []
     statements = records_statements(
-        lambda: taken.append(store.claim(identity(scope, key), uuid.uuid4()))
+        lambda: taken.append(claims.claim(identity(scope, key), uuid.uuid4()))
     )
     assert isinstance(taken[0], types.Proceed) and taken[0].lease.taken_over
     assert_scoped(statements, scope)
@@ -128,7 +128,7 @@ def test_an_expired_record_claimed_again(scope, key):
     )
     again: list[types.Decision] = []
     statements = records_statements(
-        lambda: again.append(store.claim(identity(scope, key), uuid.uuid4()))
+        lambda: again.append(claims.claim(identity(scope, key), uuid.uuid4()))
     )
     assert isinstance(again[0], types.Proceed) and not again[0].lease.taken_over
     assert_scoped(statements, scope)
@@ -142,7 +142,7 @@ def test_a_takeover_from_a_dead_owner(scope, key):
         pass  # that request's connection is gone now, its lease still running
     taken: list[types.Decision] = []
     statements = records_statements(
-        lambda: taken.append(store.claim(identity(scope, key), uuid.uuid4()))
+        lambda: taken.append(claims.claim(identity(scope, key), uuid.uuid4()))
     )
     assert isinstance(taken[0], types.Proceed) and taken[0].lease.taken_over
     assert_scoped(statements, scope)

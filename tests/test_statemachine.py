@@ -1,6 +1,6 @@
 """The rules of ``core/statemachine.py`` and ``core/leases.py``, exhaustively, and every other
-form that states them (the lease rule's ORM and SQL forms, the record store's claim on each
-backend, the PostgreSQL statement) held equal to them with hypothesis."""
+form that states them (the lease rule's ORM and SQL forms, the claim on each backend, the
+PostgreSQL statement) held equal to them with hypothesis."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from django_idempotency.core.statemachine import (
 from django_idempotency.core.types import Conflict, Identity, Mismatch, Proceed, Replay
 from django_idempotency.db import database_now, session_locks
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.request import store
+from django_idempotency.request import claims
 from tests.factories import identity
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=UTC)
@@ -137,7 +137,7 @@ def test_the_querysets_select_what_the_rules_say(rows: list[RecordState]):
     assert selected(expired_q(NOW)) == expired
     assert selected(running_q(NOW)) == running
     assert selected(run_out_q(NOW)) == run_out
-    assert selected(store._stale_q(NOW, MINE) & ~expired_q(NOW)) == by_rule(
+    assert selected(claims._stale_q(NOW, MINE) & ~expired_q(NOW)) == by_rule(
         lambda r: judge(r, MINE, NOW) is Verdict.TAKE_OVER
     )
     # The SQL forms, in a plain statement as the claim and the partitions use them.
@@ -161,7 +161,7 @@ def selected_by_sql(condition) -> set[int]:
         return {row[0] for row in cursor.fetchall()}
 
 
-# --- the store's claim, on every backend and both PostgreSQL paths ----------------------------
+# --- the claim, on every backend and both PostgreSQL paths ----------------------------
 
 
 @pytest.mark.django_db(transaction=True)
@@ -204,7 +204,7 @@ def claim_as_the_rules_say(
     # Nobody holds the record's owner lock (it was written here, not claimed): where owners hold
     # locks, a running lease of a request that is gone is taken over at once.
     verdict = judge(record, MINE, now, owner_gone=session_locks.enabled("default"))
-    decision = store.claim(ident, uuid.uuid4())
+    decision = claims.claim(ident, uuid.uuid4())
     assert isinstance(decision, DECISION[verdict]), (record, verdict, decision)
     if isinstance(decision, Proceed):
         taken_over = verdict in (Verdict.TAKE_OVER, Verdict.TAKE_OVER_DEAD_OWNER)

@@ -2,8 +2,8 @@
 a verdict out.
 
 Every rule about what a retry gets lives here once; when a lease runs and when a record counts as
-absent (expired) is ``core/leases.py``'s, in its Python, ORM and SQL forms. The record store
-(``request/store.py``) applies these verdicts under its locks, and the PostgreSQL claim statement
+absent (expired) is ``core/leases.py``'s, in its Python, ORM and SQL forms. The claim
+(``request/claims.py``) applies these verdicts under its locks, and the PostgreSQL claim statement
 (``db/postgresql.py``) says them in SQL, checked against this module by a property test. Nothing
 here knows a request or a database.
 

@@ -8,7 +8,7 @@ MariaDB/MySQL: ``GET_LOCK``), and lets go of it when done. Another session that 
 running tests the lock: held, the holder is alive; free, the holder's session is gone, and what
 it held is taken over at once instead of after the lease.
 
-* **Owners** of idempotency keys (``request/store.py``): the request that claims a key holds
+* **Owners** of idempotency keys (``request/claims.py``): the request that claims a key holds
   its owner lock until it completes or releases it; a duplicate that finds the owner gone takes
   the key over (``Verdict.TAKE_OVER_DEAD_OWNER``), with a new owner token as any takeover.
 * **Batches** of outbox events (``outbox/claim.py``): the relay that claims a batch holds its

@@ -32,6 +32,7 @@ from django_idempotency.request.fingerprint import (
     request_fingerprint,
 )
 from django_idempotency.request.responses import PROBLEM_CONTENT_TYPE
+from django_idempotency.request.run_step import release
 from django_idempotency.request.scopes import resolve_scope
 
 if TYPE_CHECKING:
@@ -224,7 +225,7 @@ class _InitialDoor:
         try:
             self._drf_initial()
         except BaseException:
-            lifecycle.release(lease, "refused")
+            release(lease, "refused")
             raise
         view, handler, options = self.view, self.handler, self.options
 

@@ -618,7 +618,7 @@ def partition_table(
         for statement in _partition_ddl(using, partition_name(bound, layout), bound, end, layout):
             cursor.execute(statement)
 
-    from django_idempotency.request.store import create_claim_functions
+    from django_idempotency.request.claims import create_claim_functions
 
     if layout is RECORDS:
         create_claim_functions(using)

@@ -43,15 +43,9 @@ from django_idempotency.conf import conf
 from django_idempotency.core.types import Identity, Lease
 from django_idempotency.exceptions import IdempotencyKeyMissing
 from django_idempotency.outbox.publish import publish
-from django_idempotency.request.lifecycle import (
-    HANDED_OFF,
-    Ended,
-    HandOff,
-    Keep,
-    rendered,
-    run_step,
-)
+from django_idempotency.request.lifecycle import rendered
 from django_idempotency.request.responses import capture
+from django_idempotency.request.run_step import HANDED_OFF, Ended, HandOff, Keep, run_step
 
 __all__ = [
     "HAND_OFF_ARGUMENT",

@@ -5,8 +5,8 @@ A door into the request lifecycle, like ``@idempotent`` for views: the call beco
 :class:`~django_idempotency.core.types.Identity` (the key read from its arguments, in the
 function's scope, with a digest of its arguments as the fingerprint), claimed by
 :func:`lifecycle.claim <django_idempotency.request.lifecycle.claim>` under the same rules, leases
-and fencing tokens as a request. The function then runs through the lifecycle's one run step
-(:func:`~django_idempotency.request.lifecycle.run_step`), as a view does: inside one
+and fencing tokens as a request. The function then runs through the one run step
+(:func:`~django_idempotency.request.run_step.run_step`), as a view does: inside one
 transaction with the storing of its serialized return value (the record's body, status 200, the
 serializer's content type), fenced by the owner token; when it raises, its writes roll back and
 the key is released. Only the key, the fingerprint and the serializer are this door's own.
@@ -47,6 +47,7 @@ from django_idempotency.exceptions import (
     LeaseLost,
 )
 from django_idempotency.request import lifecycle
+from django_idempotency.request.run_step import Keep, run_step
 
 __all__ = [
     "CALL_METHOD",
@@ -397,12 +398,10 @@ class _Guarded:
         return lifecycle.settle(decision, _Call(self, identity, call))
 
     def run(self, lease: Lease, call: Callable[[], Any]) -> Any:
-        """Call the function through the lifecycle's run step: its value stored with its
+        """Call the function through the run step: its value stored with its
         writes, or (raised, rolled back) nothing stored and the key released."""
         try:
-            ran = lifecycle.run_step(
-                lease, call, self.keep, also=self.aliases, heartbeat=self.heartbeat
-            )
+            ran = run_step(lease, call, self.keep, also=self.aliases, heartbeat=self.heartbeat)
         except LeaseLost as exc:
             raise LeaseLost(
                 f"{self.name}: this call ran past its lease and another call with key "
@@ -415,8 +414,8 @@ class _Guarded:
             return ran.value
         return self.load(ran.kept.stored)
 
-    def keep(self, value: Any) -> lifecycle.Keep:
-        return lifecycle.Keep(self.dump(value))
+    def keep(self, value: Any) -> Keep:
+        return Keep(self.dump(value))
 
     def dump(self, value: Any) -> StoredResponse:
         try:

@@ -4,10 +4,11 @@ Every entry point is a door into this module, and differs from the others only i
 a key and what it makes of each outcome (a :class:`Door`): the middleware and ``@idempotent``
 call :func:`serve` (or :func:`serve_async`); the DRF mixin calls :func:`admit` after DRF's
 authentication, then :func:`run` around its handler; ``@idempotent_function`` calls
-:func:`claim`; a handed-off request's worker calls :func:`run_step`. The claim's outcome is
+:func:`claim`; a handed-off request's worker calls ``run_step`` itself. The claim's outcome is
 dispatched in one place (:func:`settle`), and every door's work runs through one step
-(:func:`run_step`). Below this module sit the rules (``core/statemachine.py``), the record
-store (``store.py``, the database), the Redis copy (``redis_copy.py``) and the answers kept in
+(``run_step.py``, which stores the answer or releases the key). Below this module sit the run
+step, the rules (``core/statemachine.py``), the claim (``claims.py``) and the record store
+(``store.py``) in the database, the Redis copy (``redis_copy.py``) and the answers kept in
 memory (``memory.py``); nothing below calls back up.
 
 The rules a request meets, whichever door it came through:
@@ -38,22 +39,20 @@ The rules a request meets, whichever door it came through:
 
 from __future__ import annotations
 
-import enum
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Generic, Protocol, TypeVar, assert_never
+from typing import Any, Protocol, TypeVar, assert_never
 
 from asgiref.sync import async_to_sync, iscoroutinefunction, sync_to_async
-from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.http import HttpRequest, HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 
 from django_idempotency.conf import GUARDED_METHODS, conf
-from django_idempotency.core.statemachine import ACCEPTED, COMPLETED, PROCESSING
 from django_idempotency.core.types import (
     Conflict,
     Decision,
@@ -73,7 +72,7 @@ from django_idempotency.exceptions import (
     StoreUnavailable,
     TransactionInProgress,
 )
-from django_idempotency.request import attach, instrumentation, memory, redis_copy, store
+from django_idempotency.request import attach, claims, instrumentation, memory, redis_copy, store
 from django_idempotency.request.fingerprint import (
     DJANGO_LIMIT,
     BodyLimit,
@@ -81,23 +80,17 @@ from django_idempotency.request.fingerprint import (
     recorded_path,
     request_fingerprint,
 )
-from django_idempotency.request.heartbeat import LeaseHeartbeat
 from django_idempotency.request.keys import header, parse_key
 from django_idempotency.request.responses import capture, problem_response
 from django_idempotency.request.responses import replay as replay_response
+from django_idempotency.request.run_step import HANDED_OFF, HandOff, Keep, run_step
 from django_idempotency.request.scopes import resolve_scope
 
 __all__ = [
-    "HANDED_OFF",
-    "UNAVAILABLE_ERRORS",
     "Attaching",
     "Door",
-    "Ended",
-    "HandOff",
-    "Keep",
     "Options",
     "DEFAULT_OPTIONS",
-    "Ran",
     "Refused",
     "Screen",
     "admit",
@@ -110,20 +103,15 @@ __all__ = [
     "read_key",
     "reclaim",
     "refusal",
-    "release",
     "rendered",
     "replay",
     "run",
-    "run_step",
     "serve",
     "serve_async",
     "serve_sync_view_async",
     "settle",
     "unhandled",
 ]
-
-#: Database errors that mean "the database is not there", answered 503 rather than 500.
-UNAVAILABLE_ERRORS = (OperationalError, InterfaceError)
 
 ViewT = TypeVar("ViewT", bound=Callable[..., Any])
 CallView = Callable[[], HttpResponseBase]
@@ -163,17 +151,6 @@ class Options:
 
 
 DEFAULT_OPTIONS = Options()
-
-#: The attribute ``handoff.hand_off`` sets on its 202 response (a :class:`HandOff`).
-HANDED_OFF = "_idempotency_hand_off"
-
-
-@dataclass(frozen=True, slots=True)
-class HandOff:
-    """A 202 that hands the key to a worker, which then holds it for ``hold_seconds``."""
-
-    hold_seconds: float
-
 
 #: What a door checks before a duplicate may wait, as it would check a new request (DRF's
 #: permissions and throttles): returns if it may, raises the door's refusal otherwise.
@@ -302,11 +279,11 @@ def claim(
     identity: Identity, *, lease_seconds: float | None = None, ttl_seconds: float | None = None
 ) -> Decision:
     """Claim a key: an answer kept in this process's memory or the Redis copy, else the
-    record store's decision. A key this process answered lately (its next request is likely a retry)
+    database's decision. A key this process answered lately (its next request is likely a retry)
     is read first: a replay, a 409 or a 422 needs no claim.
 
     ``lease_seconds`` and ``ttl_seconds`` override the settings for this key (see
-    :func:`store.claim <django_idempotency.request.store.claim>`).
+    :func:`claims.claim <django_idempotency.request.claims.claim>`).
     """
     kept = memory.lookup(identity)
     if kept is not None:
@@ -319,8 +296,8 @@ def claim(
         decision = cached
     else:
         try:
-            answered = store.answer(identity, using) if memory.answered(identity) else None
-            decision = answered or store.claim(
+            answered = claims.answer(identity, using) if memory.answered(identity) else None
+            decision = answered or claims.claim(
                 identity,
                 uuid.uuid4(),
                 lease_seconds=lease_seconds,
@@ -415,194 +392,6 @@ def settle(decision: Decision | None, door: Door[R]) -> R:
     assert_never(decision)
 
 
-# --- the run step: one for every door ------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Keep:
-    """What a run stores under its key, in the transaction of its writes."""
-
-    stored: StoredResponse
-    #: A hand-off's 202: the key goes to a worker for this many seconds (ACCEPTED), not done.
-    hold_seconds: float | None = None
-
-
-class Ended(enum.Enum):
-    """How one run of a door's work ended."""
-
-    #: Its answer is stored (COMPLETED); retries replay it.
-    COMPLETED = "completed"
-    #: Its 202 is stored and the key held by the worker it handed its work to (ACCEPTED).
-    HANDED_OFF = "handed_off"
-    #: It marked its transaction for rollback (``set_rollback``, a database error it caught):
-    #: nothing of it committed, nothing is stored, the key is released.
-    ROLLED_BACK = "rolled_back"
-    #: Its answer is not final (``should_store``): rolled back and released as well.
-    NOT_STORED = "not_stored"
-    #: A handed-off worker found its work completed by an earlier delivery: nothing ran.
-    ALREADY_COMPLETED = "already_completed"
-    #: A handed-off worker found the key no longer its own (its hold ran out and a retry took
-    #: it over, or an operator released it): nothing ran; the new owner does the work.
-    NOT_OURS = "not_ours"
-
-
-@dataclass(frozen=True, slots=True)
-class Ran(Generic[T]):
-    """What a run step did: how it ended, what the work returned (None when it never ran), and
-    what was stored."""
-
-    ended: Ended
-    value: T | None
-    kept: Keep | None = None
-
-
-class _NotStored(Exception):
-    """Leaves the transactions (rolling them back) with a value that is not stored."""
-
-    def __init__(self, value: Any, ended: Ended) -> None:
-        self.value = value
-        self.ended = ended
-
-
-def run_step(
-    lease: Lease,
-    work: Callable[[], T],
-    keep: Callable[[T], Keep | None],
-    *,
-    also: Collection[str] = (),
-    heartbeat: bool | None = None,
-    handed_off: bool = False,
-) -> Ran[T]:
-    """Run a door's work once under ``lease``, and store what ``keep`` makes of its result in the
-    same transaction, fenced by the owner token; release the key when nothing is stored.
-
-    Every door runs through here: views (:func:`run`), ``@idempotent_function`` and the workers
-    of handed-off requests (``handed_off``: the work first takes up the ACCEPTED key, and if it
-    raises the key stays held for the task's own retry). ``also`` names the other databases
-    whose transactions commit with the record (opened after it, so they commit first and a
-    stored answer never claims writes that failed to commit).
-
-    What was stored reaches this process's memory and the waiters only from ``on_commit`` of
-    the outermost transaction: inside a caller's transaction that later rolls back, nothing of
-    this run is remembered anywhere. Raises :class:`LeaseLost` when the key was taken over
-    meanwhile (the work's writes rolled back), and whatever the work raised, after releasing
-    the key.
-    """
-    aliases = [lease.using, *(alias for alias in also if alias != lease.using)]
-    held_as = ACCEPTED if handed_off else PROCESSING
-    connection = connections[lease.using]
-    beat = conf.LEASE_HEARTBEAT if heartbeat is None else heartbeat
-    if handed_off or connection.vendor == "sqlite" or connection.in_atomic_block:
-        # SQLite has one writer at a time: nobody can take the key over meanwhile, and a
-        # heartbeat could not write either. Inside a caller's transaction the claim is not
-        # committed: a heartbeat's own connection would wait on the row lock this thread holds.
-        # A worker's hold is its lease, never extended.
-        beat = False
-    try:
-        with LeaseHeartbeat(lease) if beat else nullcontext(), ExitStack() as transactions:
-            for alias in aliases:
-                transactions.enter_context(transaction.atomic(using=alias))
-            if handed_off and not store.resume(lease):
-                return _skipped(lease)
-            value = work()
-            if any(connections[alias].needs_rollback for alias in aliases):
-                if getattr(value, HANDED_OFF, None) is not None:
-                    # Its 202 would promise work that the rollback took back out of the outbox.
-                    raise RuntimeError(
-                        "The view handed its work off, then marked its transaction for "
-                        "rollback: nothing was enqueued, so its 202 cannot be answered."
-                    )
-                raise _NotStored(value, Ended.ROLLED_BACK)
-            kept = keep(value)
-            if kept is None:
-                raise _NotStored(value, Ended.NOT_STORED)
-            if kept.hold_seconds is not None:
-                _accept(lease, kept.stored, kept.hold_seconds)
-            else:
-                _complete(lease, kept.stored, held_as)
-            # Announced, kept in memory and woken for once the outermost transaction commits.
-            connection.on_commit(partial(_committed, lease, kept, time.monotonic()), robust=True)
-    except _NotStored as not_stored:
-        release(lease, not_stored.ended.value, held_as=held_as)
-        return Ran(not_stored.ended, not_stored.value)
-    except LeaseLost:
-        instrumentation.lease_lost(lease.identity)
-        raise
-    except UNAVAILABLE_ERRORS as exc:
-        instrumentation.store_unavailable(
-            lease.identity, "database unavailable during the run", exc
-        )
-        if not handed_off:
-            release(lease, "exception")
-        raise
-    except BaseException:
-        if not handed_off:
-            release(lease, "exception")
-        raise
-    return Ran(Ended.COMPLETED if kept.hold_seconds is None else Ended.HANDED_OFF, value, kept)
-
-
-def _skipped(lease: Lease) -> Ran[Any]:
-    """A delivery of handed-off work whose key is done, or no longer its own."""
-    done = store.status_of(lease) == COMPLETED
-    ended = Ended.ALREADY_COMPLETED if done else Ended.NOT_OURS
-    instrumentation.hand_off_skipped(lease.identity, ended.value)
-    return Ran(ended, None)
-
-
-def _committed(lease: Lease, kept: Keep, stored_at: float) -> None:
-    """After the commit of what a run stored (``stored_at``, monotonic): announce it, keep a
-    final answer in this process's memory (``LOCAL_REPLAY_SECONDS``; Redis gets its copy at
-    the first replay), and wake the duplicates waiting for it."""
-    if kept.hold_seconds is not None:
-        instrumentation.handed_off(
-            lease, kept.stored
-        )  # no copy of a 202: the worker's answer replaces it
-    else:
-        instrumentation.completed(lease, kept.stored)
-        # The copy expires with the record, which was given its TTL when it was stored.
-        ttl = (lease.ttl_seconds or conf.TTL_SECONDS) - (time.monotonic() - stored_at)
-        memory.remember(lease.identity, kept.stored, ttl)
-    attach.notify(lease.using, lease.identity)
-
-
-@instrumentation.instrumented("complete")
-def _complete(lease: Lease, stored: StoredResponse, held_as: str) -> None:
-    """Store the answer; :class:`LeaseLost` (inside the span) when the key was taken over."""
-    if not store.complete(lease, stored, held_as=held_as):
-        raise LeaseLost("the lease was taken over by another request")
-
-
-@instrumentation.instrumented("accept")
-def _accept(lease: Lease, stored: StoredResponse, hold_seconds: float) -> None:
-    """Store the 202 and hand the key to the worker; :class:`LeaseLost` when taken over."""
-    if not store.accept(lease, stored, hold_seconds):
-        raise LeaseLost("the lease was taken over by another request")
-
-
-def release(lease: Lease, reason: str, *, held_as: str = PROCESSING) -> None:
-    """Give the key back so a retry runs at once. Never raises: if the database is gone, the
-    lease runs out instead and the retry takes the key over then.
-
-    What this process kept of the key is forgotten at once (``key_released``); the waiters are
-    woken once the release has committed.
-    """
-    try:
-        released = store.release(lease, held_as=held_as)
-    except UNAVAILABLE_ERRORS as exc:
-        instrumentation.store_unavailable(
-            lease.identity, "idempotency release failed; the key frees itself with its lease", exc
-        )
-        return
-    if released:
-        instrumentation.released(lease.identity, reason)
-        transaction.on_commit(
-            partial(attach.notify, lease.using, lease.identity), using=lease.using, robust=True
-        )
-
-
 # --- the view door's run -----------------------------------------------------------------------
 
 
@@ -633,7 +422,7 @@ def run(
         )
     except LeaseLost as exc:
         raise LeaseLostConflict() from exc
-    except UNAVAILABLE_ERRORS as exc:
+    except store.UNAVAILABLE_ERRORS as exc:
         raise StoreUnavailable() from exc
     assert ran.value is not None
     return _first_time(ran.value)
@@ -689,11 +478,6 @@ def _atomic_aliases(view: Callable[..., Any] | None) -> list[str]:
         for alias, settings_dict in connections.settings.items()
         if settings_dict.get("ATOMIC_REQUESTS") and alias not in skipped
     ]
-
-
-def _transaction_aliases(records: str, view: Callable[..., Any] | None) -> list[str]:
-    """The records' database first, then every other ATOMIC_REQUESTS database."""
-    return [records, *(alias for alias in _atomic_aliases(view) if alias != records)]
 
 
 def atomic_requests(view: Callable[..., Any] | None = None) -> ExitStack:

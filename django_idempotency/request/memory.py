@@ -48,8 +48,8 @@ _answered: Recently[int, bool] = Recently(entries=ANSWERED_ENTRIES)
 
 def answered(identity: Identity) -> bool:
     """Whether this process completed or replayed this key lately, whatever
-    ``LOCAL_REPLAY_SECONDS`` says: its next request is then likely a retry, which the record
-    store answers from a read where it can (``store.answer``) before any claim. A hint, never
+    ``LOCAL_REPLAY_SECONDS`` says: its next request is then likely a retry, which is then
+    answered from a read where it can be (``claims.answer``) before any claim. A hint, never
     an answer: wrong either way (a hash collision, a key released or expired since), it costs
     one read or one claim statement, and the decision is still the database's."""
     return hash((identity.scope, identity.key)) in _answered

@@ -37,7 +37,6 @@ from django_idempotency.exceptions import (
 )
 from django_idempotency.request import store
 from django_idempotency.request.keys import parse_key
-from django_idempotency.request.lifecycle import UNAVAILABLE_ERRORS
 from django_idempotency.request.responses import problem_response, replay
 from django_idempotency.request.scopes import resolve_scope
 
@@ -85,7 +84,7 @@ def lookup(scopes: Scopes, raw_key: str) -> store.KeyState:
         asked.add(owner)
         try:
             state = store.read(owner, key)
-        except UNAVAILABLE_ERRORS as exc:
+        except store.UNAVAILABLE_ERRORS as exc:
             raise StoreUnavailable() from exc
         if state is not None:
             return state
