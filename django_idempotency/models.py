@@ -127,7 +127,57 @@ class IdempotencyRecord(models.Model):
         return f"{self.scope} / {self.key} ({self.status})"
 
 
-class OutboxEvent(models.Model):
+class FailureColumns(models.Model):
+    """Why a row is failing, in the same columns for outbox events and inbox messages: the admin's
+    failure groups read both alike.
+
+    Nullable with no default: adding them is then a catalog-only change on every backend, never
+    a rewrite of a large table. NULL while the row is not failing.
+    """
+
+    last_error = models.TextField(
+        _("last error"),
+        blank=True,
+        default="",
+        help_text=_("Why the last attempt failed: the exception's type and text."),
+    )
+    failure_fingerprint = models.CharField(  # noqa: DJ001
+        _("failure fingerprint"),
+        max_length=32,  # core.failures.FINGERPRINT_LENGTH
+        null=True,
+        blank=True,
+        help_text=_(
+            "Hash of the last error with ids, numbers and timestamps normalised away: the "
+            "failure group the admin lists the row in. Empty while it is not failing."
+        ),
+    )
+    failing_since = models.DateTimeField(
+        _("failing since"),
+        null=True,
+        blank=True,
+        help_text=_("When the row first failed with its current failure fingerprint."),
+    )
+    last_failed_at = models.DateTimeField(
+        _("last failed at"),
+        null=True,
+        blank=True,
+        help_text=_("When the latest attempt failed."),
+    )
+    failure_traceback = models.TextField(  # noqa: DJ001
+        _("failure traceback"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "Where the latest failure was raised: its frames, bounded in size; the messages "
+            "of the exceptions it was raised from are not stored."
+        ),
+    )
+
+    class Meta:
+        abstract = True
+
+
+class OutboxEvent(FailureColumns):
     """An event written in the business transaction, waiting for the relay to publish it."""
 
     Status = OutboxStatus
@@ -195,9 +245,6 @@ class OutboxEvent(models.Model):
         blank=True,
         help_text=_("Fencing token of the relay holding the lease; only it may mark the event."),
     )
-    last_error = models.TextField(
-        _("last error"), blank=True, default="", help_text=_("Why the last attempt failed.")
-    )
     # Deprecated: kept (always 0) because the relay index starts with it; see db/querysets.py.
     transaction_id = models.BigIntegerField(
         _("transaction id"),
@@ -225,39 +272,6 @@ class OutboxEvent(models.Model):
         null=True,
         blank=True,
         help_text=_("When the broker accepted the event."),
-    )
-    # The failure columns are nullable with no default, like traceparent: adding them never
-    # rewrites the table. NULL while the event is not failing.
-    failure_fingerprint = models.CharField(  # noqa: DJ001
-        _("failure fingerprint"),
-        max_length=32,  # core.failures.FINGERPRINT_LENGTH
-        null=True,
-        blank=True,
-        help_text=_(
-            "Hash of the last error with ids, numbers and timestamps normalised away: the "
-            "failure group the admin lists the event in. Empty once published or retried."
-        ),
-    )
-    failing_since = models.DateTimeField(
-        _("failing since"),
-        null=True,
-        blank=True,
-        help_text=_("When the event first failed with its current failure fingerprint."),
-    )
-    last_failed_at = models.DateTimeField(
-        _("last failed at"),
-        null=True,
-        blank=True,
-        help_text=_("When the latest attempt to publish the event failed."),
-    )
-    failure_traceback = models.TextField(  # noqa: DJ001
-        _("failure traceback"),
-        null=True,
-        blank=True,
-        help_text=_(
-            "Where the latest failure was raised: its frames, bounded in size; the messages "
-            "of the exceptions it was raised from are not stored."
-        ),
     )
     failure_kind = models.CharField(  # noqa: DJ001
         _("failure kind"),
@@ -371,7 +385,7 @@ class ProcessedMessage(models.Model):
         return f"{self.consumer} / {self.message_id}"
 
 
-class FailedMessage(models.Model):
+class FailedMessage(FailureColumns):
     """A message whose handler raised, until it is handled or an operator forgets it.
 
     Written after the handler's transaction rolled back (so it survives it), in a transaction of
@@ -393,34 +407,6 @@ class FailedMessage(models.Model):
     attempts = models.PositiveIntegerField(
         _("attempts"), default=1, help_text=_("How many times handling the message failed.")
     )
-    last_error = models.TextField(
-        _("last error"), help_text=_("Why the last attempt failed: the exception's type and text.")
-    )
-    failure_fingerprint = models.CharField(
-        _("failure fingerprint"),
-        max_length=32,  # core.failures.FINGERPRINT_LENGTH
-        help_text=_(
-            "Hash of the last error with ids, numbers and timestamps normalised away: the "
-            "failure group the admin lists the message in."
-        ),
-    )
-    failing_since = models.DateTimeField(
-        _("failing since"),
-        help_text=_("When handling the message first failed with its current fingerprint."),
-    )
-    last_failed_at = models.DateTimeField(
-        _("last failed at"), help_text=_("When the latest attempt to handle the message failed.")
-    )
-    failure_traceback = models.TextField(
-        _("failure traceback"),
-        blank=True,
-        default="",
-        help_text=_(
-            "Where the latest failure was raised: its frames, bounded in size; the messages "
-            "of the exceptions it was raised from are not stored."
-        ),
-    )
-
     objects = FailedMessageQuerySet.as_manager()
 
     class Meta:
