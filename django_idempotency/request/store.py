@@ -18,7 +18,7 @@ The operations, each one short statement or transaction, each judged by the data
 
 Every statement on the records table names the record by its scope and key, the unique
 constraint, so the table can be distributed by scope (Citus; ``docs/sharding.md``) and each
-statement still reaches one shard. ``tests/test_shard_ready.py`` holds every path to it.
+statement still reaches one shard. ``tests/db/test_shard_ready.py`` holds every path to it.
 """
 
 from __future__ import annotations
