@@ -182,9 +182,15 @@ def test_every_name_the_api_reference_documents_imports() -> None:
 
 def test_every_guarantee_names_the_test_that_proves_it() -> None:
     """Each row of the guarantees' tables (those whose last column is "test") names the test
-    behind it."""
+    behind it, and every test a guarantees page names by its path from the checkout
+    (``tests/<package>/test_<name>.py::test_<name>``) is there."""
     rows: list[tuple[str, str, str]] = []
+    named: list[tuple[str, str]] = []
     for page in sorted(DOCS.glob("guarantees*.md")):
+        named += [
+            (page.name, match)
+            for match in re.findall(r"tests/[\w/]+\.py(?:::\w+)?", page.read_text())
+        ]
         header: list[str] | None = None
         for line in page.read_text().splitlines():
             if not line.startswith("|"):
@@ -198,6 +204,14 @@ def test_every_guarantee_names_the_test_that_proves_it() -> None:
     assert len(rows) > 50
     unproven = [row for row in rows if "test" not in row[2]]
     assert not unproven
+    assert len(named) > 50
+    missing = []
+    for page, reference in named:
+        path, _, function = reference.partition("::")
+        source = DOCS.parent / path
+        if not source.is_file() or (function and f"def {function}(" not in source.read_text()):
+            missing.append((page, reference))
+    assert not missing
 
 
 def test_the_changelog_and_every_page_stay_a_size_a_user_reads() -> None:
