@@ -1,8 +1,8 @@
 # Two commands matter: `make demo` serves the demo, `make test` runs the whole test suite.
 # The test suite runs once per database backend and once per supported Django series: six
-# passes, two at a time (TEST_JOBS), each logged to artifacts/<pass>.log (see tests/passes.py).
+# passes, two at a time (TEST_JOBS), each logged to artifacts/<pass>.log (see tests/support/passes.py).
 # Service URLs come from the environment (POSTGRES_URL, MARIADB_URL, REDIS_URL, AMQP_URL, NATS_URL);
-# see tests/backends.py for what happens when one is missing.
+# see tests/support/backends.py for what happens when one is missing.
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -28,7 +28,7 @@ DEMO_LEASE_SECONDS ?= 5
 DEMO_RELAY_LEASE_SECONDS ?= 10
 DEMO_SERVE := $(VENV)/bin/python -m gunicorn --config python:demo_project.gunicorn_conf demo_project.wsgi
 
-# The passes of `make test`, longest first: tests/passes.py runs TEST_JOBS of them side by side,
+# The passes of `make test`, longest first: tests/support/passes.py runs TEST_JOBS of them side by side,
 # each with a database of its own and its output in artifacts/<pass>.log, each spread over
 # TEST_WORKERS pytest-xdist workers (the tests spend much of their time waiting on sleeps,
 # leases and subprocesses). Every test runs on PostgreSQL with Django 5.2 (the reference pass);
@@ -40,7 +40,7 @@ TEST_PASSES := test-dj52-postgresql test-reliability test-dj6-sqlite test-dj52-m
 TEST_JOBS ?= 3
 TEST_WORKERS ?= 3
 XDIST = -n $(TEST_WORKERS) --dist loadfile
-RUN_PASSES = $(VENV)/bin/python -m tests.passes --jobs $(TEST_JOBS) --make "$(MAKE)"
+RUN_PASSES = $(VENV)/bin/python -m tests.support.passes --jobs $(TEST_JOBS) --make "$(MAKE)"
 # One pass: $(call pytest-pass,VENV,DATABASE,NAME,PYTEST ARGUMENTS); its coverage data goes to
 # .coverage.NAME, which `make test` combines with the other passes'.
 pytest-pass = rm -f .coverage.$(3) .coverage.$(3).* && TEST_DATABASE=$(2) COVERAGE_FILE=.coverage.$(3) \
@@ -110,7 +110,7 @@ typecheck: $(VENV)/.installed
 
 migrations-check: $(VENV)/.installed
 	DJANGO_SETTINGS_MODULE=tests.settings PYTHONPATH=. $(VENV)/bin/django-admin makemigrations --check --dry-run
-	DJANGO_SETTINGS_MODULE=tests.settings_autofield PYTHONPATH=. $(VENV)/bin/django-admin makemigrations django_idempotency --check --dry-run
+	DJANGO_SETTINGS_MODULE=tests.support.settings_autofield PYTHONPATH=. $(VENV)/bin/django-admin makemigrations django_idempotency --check --dry-run
 
 ## docs: build the documentation into site/, every warning an error
 docs: $(VENV)/.installed

@@ -14,8 +14,8 @@ from rest_framework.test import APIClient
 
 from django_idempotency import signals
 from django_idempotency.request import redis_copy
-from tests.backends import backends_required, service_url
-from tests.redis_cluster import LocalRedisCluster
+from tests.support.backends import backends_required, service_url
+from tests.support.redis_cluster import LocalRedisCluster
 from tests.testapp import views
 
 # No time limit per example: on a shared 2-core machine a database round trip may take longer
@@ -26,18 +26,24 @@ hypothesis_settings.load_profile("shared-machine")
 
 #: Test modules whose outcome does not depend on the database backend: settings, checks, parsing,
 #: publishers, clients, the docs, packaging. ``make test`` runs them in its PostgreSQL pass (and
-#: its Django 6 pass) only; the other backends' passes deselect them (``-m "not once"``).
+#: its Django 6 pass) only; the other backends' passes deselect them (``-m "not once"``). Each
+#: entry is a module or a whole package, named from ``tests/`` (``checks`` is tests/checks/).
 ONCE = frozenset(
     {
-        "test_admin_browser", "test_body_bounds", "test_browsable", "test_celery_beat",
-        "test_checks", "test_checks_operations", "test_client", "test_conf",
-        "test_docs", "test_failures", "test_redis_copy_checks",
-        "test_fingerprint", "test_function_view_csrf", "test_howtos", "test_checks_deploy",
-        "test_key_message", "test_keys", "test_metrics_multiprocess", "test_nats",
-        "test_openapi", "test_outbox_checks", "test_packaging", "test_ports", "test_proxy",
-        "test_publishers", "test_pytest_plugin", "test_quickstart", "test_redis_cluster",
-        "test_route_secrets", "test_tasks", "test_tracing", "test_verify",
-        "test_webhook_providers", "test_webhook_signatures", "test_webhook_standard",
+        "checks", "demo", "project",
+        "admin.test_browser",
+        "core.test_failures",
+        "inbox.test_webhooks_providers",
+        "observability.test_metrics_multiprocess", "observability.test_tracing",
+        "operations.test_tasks_celery_beat", "operations.test_tasks_without_celery",
+        "operations.test_verify",
+        "outbox.test_publishers", "outbox.test_publishers_nats",
+        "outbox.test_publishers_route_secrets", "outbox.test_publishers_webhook_signatures",
+        "outbox.test_publishers_webhook_standard",
+        "request.test_client", "request.test_decorators_csrf", "request.test_drf_browsable",
+        "request.test_drf_openapi", "request.test_fingerprint",
+        "request.test_fingerprint_body_bounds", "request.test_keys", "request.test_keys_message",
+        "request.test_redis_cluster",
     }
 )  # fmt: skip
 
@@ -46,20 +52,26 @@ ONCE = frozenset(
 #: schema and browsable API): ``make test``'s Django 6 pass runs them too (``django_series``).
 DJANGO_SERIES = frozenset(
     {
-        "test_admin_browser", "test_browsable", "test_checks", "test_checks_deploy",
-        "test_checks_operations", "test_conf", "test_function_view_csrf", "test_openapi",
-        "test_outbox_checks", "test_redis_copy_checks", "test_tasks",
+        "checks",
+        "admin.test_browser",
+        "operations.test_tasks_without_celery",
+        "request.test_decorators_csrf", "request.test_drf_browsable", "request.test_drf_openapi",
     }
 )  # fmt: skip
+
+
+def listed(module: str, names: frozenset[str]) -> bool:
+    """Whether ``tests.<module>`` is one of ``names`` or inside a package that is."""
+    name = module.removeprefix("tests.")
+    return any(name == entry or name.startswith(f"{entry}.") for entry in names)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         module = item.module.__name__ if item.module is not None else ""
-        name = module.rpartition(".")[2]
-        if name in ONCE or module.startswith("tests.demo."):
+        if listed(module, ONCE):
             item.add_marker(pytest.mark.once)
-        if name in DJANGO_SERIES:
+        if listed(module, DJANGO_SERIES):
             item.add_marker(pytest.mark.django_series)
 
 
@@ -78,7 +90,7 @@ def django_db_modify_db_settings_xdist_suffix() -> None:
 
 
 def require_service(name: str) -> str:
-    """The service's URL, or skip (fail under REQUIRE_BACKENDS, see tests/backends.py)."""
+    """The service's URL, or skip (fail under REQUIRE_BACKENDS, see tests/support/backends.py)."""
     url = service_url(name)
     if url is None:
         pytest.skip(f"{name} is not available")

@@ -9,7 +9,7 @@ from typing import Any
 
 import environ
 
-from tests.backends import ENV_VARS, BackendUnavailable, service_url
+from tests.support.backends import ENV_VARS, BackendUnavailable, service_url
 
 BASE_DIR = Path(__file__).resolve().parent
 TEST_DATABASE = os.environ.get("TEST_DATABASE", "sqlite")
@@ -138,7 +138,7 @@ if os.environ.get("IDEMPOTENCY_TEST_LEASE_SECONDS"):
 if os.environ.get("IDEMPOTENCY_TEST_TAKE_OVER_DEAD_OWNERS"):
     IDEMPOTENCY["TAKE_OVER_DEAD_OWNERS"] = os.environ["IDEMPOTENCY_TEST_TAKE_OVER_DEAD_OWNERS"]
 # Tables partitioned by day for the whole run, "outbox,inbox" say (PostgreSQL; tests/conftest.py
-# moves them): tests/test_outbox_partitions.py runs the relay's and the inbox's tests so.
+# moves them): tests/outbox/test_partitions.py runs the relay's and the inbox's tests so.
 PARTITIONED_TABLES = [
     label for label in os.environ.get("IDEMPOTENCY_TEST_PARTITIONED", "").split(",") if label
 ]

@@ -10,7 +10,8 @@ retention all ask these questions here.
 Every form is judged by the database's clock: the Python form with a time read from the database
 (``db.database_now``), the ORM form with ``Now()`` unless given that time, the SQL form with the
 dialect's ``NOW`` (or a time the statement was given). A web server whose clock is off never
-judges a lease differently from the claim. ``tests/test_statemachine.py`` holds the forms equal.
+judges a lease differently from the claim. ``tests/core/test_statemachine.py`` holds the forms
+equal.
 
 This is the one module of ``core`` that imports anything of Django's: its query expressions, so
 that the rule's three forms sit side by side.

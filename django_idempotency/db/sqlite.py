@@ -29,7 +29,7 @@ def now_plus(seconds: float) -> tuple[str, list[Any]]:
 # database's one write lock from its first write (from BEGIN with ``transaction_mode``
 # IMMEDIATE) until it ends, so no other transaction can insert an outbox event between a
 # publish's INSERT and its commit: event ids, keyed or not, are in commit order.
-# (tests/test_outbox_order.py shows a second writer refused while the first is open.)
+# (tests/outbox/test_order.py shows a second writer refused while the first is open.)
 #
 # Nor does the relay read the time from SQLite: a SQLite database is only ever opened by the
 # processes of one machine, whose clock is the database's, and Python reads that clock to the

@@ -12,7 +12,7 @@ judged by the database's clock (``db.database_now`` / ``NOW`` in the SQL):
 
 Every statement on the records table names the record by its scope and key, the unique
 constraint, so the table can be distributed by scope (Citus; ``docs/sharding.md``) and each
-statement still reaches one shard. ``tests/test_shard_ready.py`` holds every path to it.
+statement still reaches one shard. ``tests/db/test_shard_ready.py`` holds every path to it.
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 
 from demo_project.payments.management.commands.idempotency_tour import Client
-from tests.backends import service_url
 from tests.conftest import require_service
 from tests.demo import stack
-from tests.ports import free_port
 from tests.settings import TEST_DATABASE
+from tests.support.backends import service_url
+from tests.support.ports import free_port
 
 #: Long enough for a slow payment (half of it) on a busy machine, short enough for the crash.
 LEASE_SECONDS = 6

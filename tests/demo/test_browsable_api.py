@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.browser_support import chromium, save_screenshot, wait_for
 from tests.demo.conftest import DemoServer
+from tests.support.browser_support import chromium, save_screenshot, wait_for
 
 pytestmark = pytest.mark.browser
 

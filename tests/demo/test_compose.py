@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from django_idempotency.tasks import BEAT_SCHEDULE
-from tests.backends import backends_required
 from tests.conftest import require_service
 from tests.demo import stack
 from tests.settings import TEST_DATABASE
+from tests.support.backends import backends_required
 
 APP_SERVICES = ("setup", "web", "worker", "beat")
 #: The process tests need RabbitMQ and not the suite's database: run them in one pass only.

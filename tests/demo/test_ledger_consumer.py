@@ -15,7 +15,7 @@ from django_idempotency import signals
 from django_idempotency.models import OutboxEvent, ProcessedMessage
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.testing import assert_publishes, deliver_concurrently, deliver_twice
-from tests.outbox_support import settings_with
+from tests.support.outbox_support import settings_with
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.demo.conftest import DemoServer, serving
-from tests.slow import once_per_run
+from tests.support.slow import once_per_run
 
 pytestmark = once_per_run
 

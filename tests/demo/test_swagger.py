@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 import drf_spectacular_sidecar
 import pytest
 
-from tests.browser_support import chromium, requested_urls, save_screenshot, wait_for
 from tests.demo.conftest import DemoServer
+from tests.support.browser_support import chromium, requested_urls, save_screenshot, wait_for
 
 SIDECAR_STATIC = Path(drf_spectacular_sidecar.__file__).parent / "static"
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.demo import stack
 from tests.demo.conftest import DemoServer
-from tests.ports import free_port
+from tests.support.ports import free_port
 
 
 def tour(url: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

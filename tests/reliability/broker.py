@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.backends import backends_required
-from tests.ports import free_port
+from tests.support.backends import backends_required
+from tests.support.ports import free_port
 
 #: Where the Debian package keeps the real scripts: /usr/sbin/rabbitmq-server is a wrapper that
 #: re-runs them as the rabbitmq user, with the shared node's log files and home.

@@ -63,7 +63,7 @@ from tests.reliability.services import (
     private_mariadb_server,
     private_postgres_cluster,
 )
-from tests.servers import ROOT, Server, demo_gunicorn, free_port
+from tests.support.servers import ROOT, Server, demo_gunicorn, free_port
 
 SETTINGS = "tests.reliability.settings_chaos"
 PAYMENTS = "/api/v1/payments/"

@@ -22,8 +22,8 @@ from django.db import connections, transaction
 from kombu import Connection, Exchange, Queue
 
 from django_idempotency.outbox import publish
-from tests.outbox_support import database_env
 from tests.reliability.processes import Child
+from tests.support.outbox_support import database_env
 from tests.testapp.models import Widget
 
 _STATS_LINE = re.compile(

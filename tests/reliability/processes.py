@@ -14,7 +14,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import IO
 
-from tests.servers import ROOT
+from tests.support.servers import ROOT
 
 
 class Child:

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from tests.servers import ROOT, Server, free_port, gunicorn, process_alive
+from tests.support.servers import ROOT, Server, free_port, gunicorn, process_alive
 
 PG_VERSION = "15"
 #: Cluster names: ``reliability_<pid of the pytest process>_<suffix>``.
@@ -618,7 +618,7 @@ def private_redis() -> Iterator[PrivateRedis]:
 
 @contextlib.contextmanager
 def load_server(postgres: PrivatePostgres, *, workers: int = 4, **env: str) -> Iterator[Server]:
-    """gunicorn serving the test project on the private cluster (tests/servers.py's helper).
+    """gunicorn serving the test project on the private cluster (tests/support/servers.py's helper).
 
     ``--preload`` loads the project once in the master: every worker, including one forked to
     replace a killed worker, answers its first request at once instead of after a second of

@@ -35,7 +35,7 @@ from django_idempotency.models import IdempotencyRecord
 from django_idempotency.request.keys import MAX_KEY_LENGTH
 from tests.reliability import corpus
 from tests.reliability.corpus import BODIES, KEYS, PATH_SUFFIXES, RAW, BodyCase, bounded
-from tests.servers import gunicorn
+from tests.support.servers import gunicorn
 from tests.testapp.hostile_views import ODD_METHODS
 from tests.testapp.models import Widget
 

@@ -64,7 +64,7 @@ def test_postgresql_restart_under_a_running_relay_costs_the_outage_not_a_lease(
     hold.touch()
     env = {
         **private_postgres.server_env(),
-        "DJANGO_SETTINGS_MODULE": "tests.settings_relay_file",
+        "DJANGO_SETTINGS_MODULE": "tests.support.settings_relay_file",
         "REL_SENT_FILE": str(sent),
         "REL_HOLD_FILE": str(hold),
         "REL_LEASE_SECONDS": str(LEASE_AND_POLL_SECONDS),

@@ -32,14 +32,14 @@ from django_idempotency.exceptions import LeaseLostConflict
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 from django_idempotency.request import lifecycle, store
 from django_idempotency.request.fingerprint import request_fingerprint
-from tests.admin_support import login, post_action
-from tests.factories import (
+from tests.reliability.corpus import PRINTABLE, bounded
+from tests.support.admin_support import login, post_action
+from tests.support.factories import (
     IdempotencyRecordFactory,
     OutboxEventFactory,
     ProcessedMessageFactory,
     held_elsewhere,
 )
-from tests.reliability.corpus import PRINTABLE, bounded
 from tests.testapp.hostile_views import LEAKY_HEADERS
 from tests.testapp.models import Widget
 

@@ -31,7 +31,7 @@ from tests.reliability.services import Kill, kill_worker_mid_request
 
 if TYPE_CHECKING:
     from tests.reliability.services import PrivatePostgres, PrivateRedis, Serve
-    from tests.servers import Server
+    from tests.support.servers import Server
 
 pytest_plugins = ["tests.reliability.services"]
 

@@ -1,9 +1,9 @@
 """Long operations behind every door: each view hands a widget's creation to a worker.
 
 The worker (:func:`make_widget`) is a plain ``@handed_off`` function: the tests deliver the
-outbox's messages to it themselves (``tests/test_handoff.py``), as a Celery worker would, and
-the Celery tests (``tests/function_celery.py``) run it in a real worker. Under
-``tests.handoff_urls``, which also mounts the status-by-key views.
+outbox's messages to it themselves (``tests/request/test_handoff.py``), as a Celery worker would,
+and the Celery tests (``tests/support/function_celery.py``) run it in a real worker. Under
+``tests.support.handoff_urls``, which also mounts the status-by-key views.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A Django Ninja API guarded by ``django_idempotency.ninja`` (``tests/test_ninja.py``): each
-operation's effect is a widget, so counting widgets counts runs."""
+"""A Django Ninja API guarded by ``django_idempotency.ninja`` (``tests/request/test_ninja.py``):
+each operation's effect is a widget, so counting widgets counts runs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Webhook endpoints for ``tests/test_inbound_webhooks.py``: each handler's effect is a widget
+"""Webhook endpoints for ``tests/inbox/test_webhooks.py``: each handler's effect is a widget
 named ``<provider>:<event id>``, so counting widgets counts handler runs.
 
 ``behaviour[<event id>]`` tells a handler what to do with that event: ``"write"`` (the default),
