@@ -13,13 +13,10 @@ handles the message deletes that record with the marker's insert, so both commit
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from django.db import DatabaseError, IntegrityError, connections, models, router, transaction
@@ -28,6 +25,12 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
+from django_idempotency.core.consumption import (
+    DERIVED_ID_NAMESPACE,
+    Consumption,
+    current,
+    derived_event_id,
+)
 from django_idempotency.core.failures import describe, failure_fingerprint, failure_traceback
 from django_idempotency.db import dialect, prepared
 from django_idempotency.db import postgresql as pg
@@ -47,9 +50,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Namespace of the event ids derived from a consumed message (uuid5).
-DERIVED_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "urn:django-idempotency:derived-event")
-
 #: Celery message header carrying the outbox event id (see publishers/celery.py).
 EVENT_ID_HEADER = "event_id"
 
@@ -59,41 +59,6 @@ CONSUME_SPAN = "outbox.consume"
 _MAX_LENGTH = 255
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-@dataclass(slots=True)
-class Consumption:
-    """One message being handled; false when it is a duplicate to skip::
-
-    with consume_once("billing", message.id) as consumption:
-        if not consumption:
-            return
-        ...
-    """
-
-    consumer: str
-    message_id: str
-    duplicate: bool
-    _sequence: Iterator[int] = field(default_factory=itertools.count, repr=False)
-
-    def __bool__(self) -> bool:
-        return not self.duplicate
-
-    def next_event_id(self) -> uuid.UUID:
-        """The id of the next event this handler publishes: the same on every re-run."""
-        name = f"{self.consumer}\x00{self.message_id}\x00{next(self._sequence)}"
-        return uuid.uuid5(DERIVED_ID_NAMESPACE, name)
-
-
-_current: ContextVar[Consumption | None] = ContextVar(
-    "django_idempotency_consumption", default=None
-)
-
-
-def derived_event_id() -> uuid.UUID | None:
-    """The next derived event id when a message is being handled, else None."""
-    consumption = _current.get()
-    return consumption.next_event_id() if consumption is not None else None
 
 
 def _text(name: str, value: Any) -> str:
@@ -153,11 +118,11 @@ def consume_once(
                 )
                 yield consumption
                 return
-            token = _current.set(consumption)
+            token = current.set(consumption)
             try:
                 yield consumption
             finally:
-                _current.reset(token)
+                current.reset(token)
             if not failure_cleared:
                 # Handled at last: an earlier failure's record goes with this commit, or stays.
                 FailedMessage.objects.using(using).for_message(

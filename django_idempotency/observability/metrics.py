@@ -1,5 +1,5 @@
-"""Prometheus counters and histograms fed by the signals in ``signals.py``, and the outbox
-gauges (:class:`OutboxCollector`), read from the database when scraped.
+"""Prometheus counters and histograms fed by the signals in ``signals.py``. The outbox gauges,
+read from the database when scraped, are ``operations.gauges.OutboxCollector``.
 
 Optional: the ``metrics`` extra. ``AppConfig.ready()`` connects the
 receivers when ``prometheus_client`` imports; ``IDEMPOTENCY["METRICS"] = False`` makes them do
@@ -16,17 +16,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from django.db import DatabaseError, connections, router
 from django.dispatch import Signal
-from django.utils import timezone
 from prometheus_client import Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.core.failures import failure_kind
-from django_idempotency.models import OutboxEvent
-from django_idempotency.operations import health
 
 __all__ = [
     "CLAIMS",
@@ -41,7 +36,6 @@ __all__ = [
     "OUTBOX_PUBLISHED",
     "OUTBOX_PUBLISH_FAILURES",
     "OUTBOX_PUBLISH_LATENCY",
-    "OutboxCollector",
     "PREFIX",
     "RECEIVERS",
     "RELEASES",
@@ -221,83 +215,3 @@ def connect() -> None:
     """Connect every receiver once (``dispatch_uid`` makes a second call harmless)."""
     for index, (signal, receiver) in enumerate(RECEIVERS):
         signal.connect(receiver, dispatch_uid=f"django_idempotency.observability.metrics.{index}")
-
-
-# --- gauges read from the database when scraped ------------------------------------------------
-
-
-class OutboxCollector:
-    """The outbox's backlog, the age of its oldest pending event, its DEAD events and those
-    failing on a configuration error, read from the database each time the registry is
-    scraped.
-
-    Register it on the registry you serve, once: ``REGISTRY.register(OutboxCollector())`` in a
-    single process, or beside ``MultiProcessCollector`` in the metrics view under gunicorn.
-    Being read at scrape time, the values are never stale and never summed over processes,
-    and no relay has to be running for them to be right. The reads are the health panel's:
-    bounded, through the relay index (exact up to 10,000 rows; above that PostgreSQL's planner
-    estimate, or 10,000 elsewhere, a lower bound).
-    """
-
-    def __init__(self, using: str | None = None) -> None:
-        self.using = using
-
-    def describe(self) -> list[Metric]:
-        # Names only, so registering never touches the database.
-        return list(_outbox_families())
-
-    def collect(self) -> list[Metric]:
-        if not conf.METRICS:
-            return []
-        try:
-            outbox = self._read()
-        except DatabaseError:
-            logger.warning("outbox gauges: the database could not be read", exc_info=True)
-            return []
-        pending, oldest, dead, misconfigured = _outbox_families()
-        pending.add_metric([], outbox.pending.value)
-        age = 0.0
-        if outbox.oldest_pending_at is not None:
-            age = max((timezone.now() - outbox.oldest_pending_at).total_seconds(), 0.0)
-        oldest.add_metric([], age)
-        dead.add_metric([], outbox.dead.value)
-        misconfigured.add_metric([], outbox.configuration_errors.value)
-        return [pending, oldest, dead, misconfigured]
-
-    def _read(self) -> health.OutboxHealth:
-        alias = self.using or router.db_for_read(OutboxEvent)
-        connection = connections[alias]
-        # A scrape may come on a thread of its own (start_http_server): leave no connection
-        # open behind it, but never close one a request was using.
-        opened_here = connection.connection is None
-        try:
-            return health.outbox_health(alias)
-        finally:
-            if opened_here and not connection.in_atomic_block:
-                connection.close()
-
-
-def _outbox_families() -> tuple[
-    GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily
-]:
-    return (
-        GaugeMetricFamily(
-            PREFIX + "outbox_pending_events",
-            "Outbox events waiting to be published (PENDING): the relay's backlog.",
-        ),
-        GaugeMetricFamily(
-            PREFIX + "outbox_oldest_pending_age_seconds",
-            "Age of the oldest PENDING outbox event; 0 when none waits.",
-        ),
-        GaugeMetricFamily(
-            PREFIX + "outbox_dead_events",
-            "Outbox events that are DEAD and wait for a person to retry or discard them.",
-        ),
-        GaugeMetricFamily(
-            PREFIX + "outbox_configuration_error_events",
-            "PENDING outbox events whose latest attempt failed on a configuration error (the "
-            "broker refused the route: credentials, permissions, a missing stream or exchange; "
-            "or no route): retried every OUTBOX_BACKOFF_MAX_SECONDS until a person fixes it. "
-            "Counted among the first 10,000 pending events: a lower bound above that.",
-        ),
-    )

@@ -33,11 +33,11 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
+from django_idempotency.core.consumption import derived_event_id
 from django_idempotency.core.failures import describe
 from django_idempotency.db import mysql, postgresql, prepared
 from django_idempotency.db.querysets import key_bucket
 from django_idempotency.exceptions import DuplicateEventId, PartitionMissing, TransactionRequired
-from django_idempotency.inbox.consumers import derived_event_id
 from django_idempotency.models import OutboxEvent, OutboxKeyLock
 from django_idempotency.observability import tracing
 from django_idempotency.publishers.routing import resolve_route

@@ -24,7 +24,7 @@ from django_idempotency.exceptions import (
     PublishError,
 )
 from django_idempotency.models import OutboxEvent
-from django_idempotency.observability.metrics import OutboxCollector
+from django_idempotency.operations.gauges import OutboxCollector
 from django_idempotency.operations import health
 from django_idempotency.operations.actions import retry_events
 from django_idempotency.outbox import send

@@ -116,10 +116,10 @@ def test_the_production_page_is_linked_from_the_home_page() -> None:
 def _exported_metric_names() -> set[str]:
     from prometheus_client import REGISTRY
 
-    from django_idempotency.observability import metrics
+    from django_idempotency.operations.gauges import OutboxCollector
 
     names: set[str] = set()
-    for family in [*REGISTRY.collect(), *metrics.OutboxCollector().describe()]:
+    for family in [*REGISTRY.collect(), *OutboxCollector().describe()]:
         if not family.name.startswith("django_idempotency_"):
             continue
         names.add(family.name)

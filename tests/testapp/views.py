@@ -202,7 +202,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from django_idempotency.observability.metrics import OutboxCollector
+    from django_idempotency.operations.gauges import OutboxCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry)
