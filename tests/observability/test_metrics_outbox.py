@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 from django_idempotency.exceptions import BrokerConfigurationError, BrokerUnavailable
 from django_idempotency.inbox import consume_once
 from django_idempotency.models import OutboxEvent
-from django_idempotency.operations.gauges import OutboxCollector
 from django_idempotency.operations import health, sweeps
+from django_idempotency.operations.gauges import OutboxCollector
 from django_idempotency.publishers.memory import broker
 from django_idempotency.testing import deliver_twice
 from tests.support.factories import OutboxEventFactory

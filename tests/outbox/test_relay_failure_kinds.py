@@ -24,9 +24,9 @@ from django_idempotency.exceptions import (
     PublishError,
 )
 from django_idempotency.models import OutboxEvent
-from django_idempotency.operations.gauges import OutboxCollector
 from django_idempotency.operations import health
 from django_idempotency.operations.actions import retry_events
+from django_idempotency.operations.gauges import OutboxCollector
 from django_idempotency.outbox import send
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.publishers.base import OutboxMessage, Publisher
