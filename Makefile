@@ -1,6 +1,6 @@
 # Two commands matter: `make demo` serves the demo, `make test` runs the whole test suite.
-# The test suite runs once per database backend and once per supported Django series: six
-# passes, two at a time (TEST_JOBS), each logged to artifacts/<pass>.log (see tests/support/passes.py).
+# The test suite runs in four passes (TEST_PASSES below), three at a time (TEST_JOBS), each
+# logged to artifacts/<pass>.log (see tests/support/passes.py).
 # Service URLs come from the environment (POSTGRES_URL, MARIADB_URL, REDIS_URL, AMQP_URL, NATS_URL);
 # see tests/support/backends.py for what happens when one is missing.
 
