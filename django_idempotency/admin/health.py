@@ -33,6 +33,14 @@ class HealthPanel:
             for section in health.snapshot()
         ]
 
+    @cached_property
+    def overview_url(self) -> str | None:
+        """The overview page of the last 24 hours (:mod:`.overview`), where the site has it."""
+        try:
+            return reverse(f"{self.site.name}:django_idempotency_idempotencyrecord_overview")
+        except NoReverseMatch:
+            return None
+
     def _url(self, model: type[Any], query: str) -> str | None:
         if not query or not self.site.is_registered(model):
             return None
