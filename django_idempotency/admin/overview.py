@@ -95,14 +95,11 @@ def sections(
     """The page's sections, each a title and its charts (with the figures under each)."""
     found = [{"title": gettext("Idempotency keys"), "charts": _record_charts(site, window)}]
     if _may_view(site, request, OutboxEvent):
-        found.append({"title": gettext("Outbox"), "charts": _outbox_charts(site, window)})
+        flow, dead = _outbox_charts(site, window)
         messages = _may_view(site, request, FailedMessage)
-        found.append(
-            {
-                "title": gettext("Failures"),
-                "charts": [_failure_chart(site, window, messages=messages)],
-            }
-        )
+        failures = [dead, _failure_chart(site, window, messages=messages)]
+        found.append({"title": gettext("Outbox"), "charts": flow})
+        found.append({"title": gettext("Failures"), "charts": failures})
     return found
 
 
@@ -188,7 +185,10 @@ def _record_charts(site: admin.AdminSite, window: overview.Window) -> list[dict[
     return [{"chart": outcomes, "notes": []}, {"chart": conflicts, "notes": notes}]
 
 
-def _outbox_charts(site: admin.AdminSite, window: overview.Window) -> list[dict[str, Any]]:
+def _outbox_charts(
+    site: admin.AdminSite, window: overview.Window
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The backlog's and the lag's charts, and the dead events'."""
     hours = overview.outbox_hours(window)
     pending = _changelist(site, OutboxEvent, status__exact=OutboxStatus.PENDING)
     dead_url = _changelist(site, OutboxEvent, status__exact=OutboxStatus.DEAD)
@@ -251,11 +251,8 @@ def _outbox_charts(site: admin.AdminSite, window: overview.Window) -> list[dict[
         ngettext("%(count)s event is dead now.", "%(count)s events are dead now.", dead_now.value)
         % {"count": dead_now}
     ]
-    return [
-        {"chart": backlog, "notes": []},
-        {"chart": lag, "notes": lag_notes},
-        {"chart": dead, "notes": dead_notes},
-    ]
+    flow = [{"chart": backlog, "notes": []}, {"chart": lag, "notes": lag_notes}]
+    return flow, {"chart": dead, "notes": dead_notes}
 
 
 #: The colours of the failure groups drawn one by one, then of the others.
@@ -287,13 +284,12 @@ def _failure_chart(
         empty_text=gettext("Nothing failed in the last 24 hours."),
     )
     failures_url = reverse(f"{site.name}:django_idempotency_outboxevent_failures")
-    most = max(hours.groups_per_hour, default=0)
     notes = [
         ngettext(
-            "At most %(count)d failure group failed in one hour.",
-            "At most %(count)d failure groups failed in one hour.",
-            most,
+            "%(count)d failure group failed in the last 24 hours.",
+            "%(count)d failure groups failed in the last 24 hours.",
+            hours.groups_seen,
         )
-        % {"count": most}
+        % {"count": hours.groups_seen}
     ]
     return {"chart": chart, "notes": notes, "link": failures_url}

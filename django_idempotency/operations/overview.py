@@ -36,6 +36,7 @@ from django.db.models import (
     F,
     Max,
     Q,
+    QuerySet,
     Value,
     When,
 )
@@ -62,9 +63,12 @@ __all__ = [
     "Window",
     "conflicts_counted",
     "failure_hours",
+    "flow_query",
     "held_now",
+    "lag_query",
     "outbox_hours",
     "record_hours",
+    "records_query",
     "window",
 ]
 
@@ -143,6 +147,20 @@ class RecordHours:
 
 def record_hours(win: Window) -> RecordHours:
     """One grouped query over the records claimed in the window (the ``created_at`` index)."""
+    counts = {name: _zeros(win) for name in OUTCOMES}
+    over = _zeros(win)
+    for row in records_query(win):
+        slot = win.slot(row["hour"])
+        if slot is None:  # claimed after the database's "now" was read
+            continue
+        counts[row["outcome"]][slot] += row["records"]
+        if row["taken_over"]:
+            over[slot] += row["records"]
+    return RecordHours({name: tuple(values) for name, values in counts.items()}, tuple(over))
+
+
+def records_query(win: Window) -> QuerySet[Any, Any]:
+    """The records claimed in the window, counted by hour, outcome and whether taken over."""
     outcome = Case(
         When(leases.run_out_q(win.now), then=Value("stuck")),
         When(status=PROCESSING, then=Value("in_flight")),
@@ -155,23 +173,13 @@ def record_hours(win: Window) -> RecordHours:
     taken_over = Case(
         When(attempts__gt=1, then=Value(True)), default=Value(False), output_field=BooleanField()
     )
-    rows = (
+    return (
         IdempotencyRecord.objects.filter(created_at__gte=win.start)
         .annotate(hour=_hour("created_at"), outcome=outcome, taken_over=taken_over)
         .values("hour", "outcome", "taken_over")
-        .annotate(records=Count("pk"))
+        .annotate(records=Count("*"))
         .order_by()
     )
-    counts = {name: _zeros(win) for name in OUTCOMES}
-    over = _zeros(win)
-    for row in rows:
-        slot = win.slot(row["hour"])
-        if slot is None:  # claimed after the database's "now" was read
-            continue
-        counts[row["outcome"]][slot] += row["records"]
-        if row["taken_over"]:
-            over[slot] += row["records"]
-    return RecordHours({name: tuple(values) for name, values in counts.items()}, tuple(over))
 
 
 def held_now(now: datetime) -> health.RowCount:
@@ -263,18 +271,18 @@ def outbox_hours(win: Window) -> OutboxHours:
     return OutboxHours(backlog, published, dead, p50, p95, longest, percentiles)
 
 
-def _outbox_flow(win: Window) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def flow_query(win: Window) -> QuerySet[Any, Any]:
     """Every event that was pending at some moment of the window: pending now (through the
     relay's index, however old: the backlog), published in the window (the sweep's index), or
-    gone DEAD in it. Grouped by the hour it was written (-1: before the window) and the hour it
-    left the backlog (None: it has not)."""
+    gone DEAD in it. Grouped by the hour it was written (None: before the window), the hour it
+    left the backlog (None: it has not) and its status."""
     start = win.start
     events = OutboxEvent.objects.filter(
         Q(status=OutboxStatus.PENDING)
         | Q(status=OutboxStatus.PUBLISHED, published_at__gte=start)
         | Q(status=OutboxStatus.DEAD, last_failed_at__gte=start)
     )
-    rows = (
+    return (
         events.annotate(
             written=Case(
                 When(created_at__lt=start, then=Value(None)),
@@ -289,15 +297,18 @@ def _outbox_flow(win: Window) -> tuple[tuple[int, ...], tuple[int, ...], tuple[i
             ),
         )
         .values("written", "left", "status")
-        .annotate(events=Count("pk"))
+        .annotate(events=Count("*"))
         .order_by()
     )
+
+
+def _outbox_flow(win: Window) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     hours = len(win.hours)
     # entering[k]: events that joined the backlog in hour k (-1: before the window, at 0);
     # leaving[k]: events that left it in hour k.
     entering, leaving = [0] * hours, [0] * hours
     published, dead = [0] * hours, [0] * hours
-    for row in rows:
+    for row in flow_query(win):
         written = 0 if row["written"] is None else win.slot(row["written"])
         if written is None:  # written after the database's "now" was read
             continue
@@ -314,26 +325,31 @@ def _outbox_flow(win: Window) -> tuple[tuple[int, ...], tuple[int, ...], tuple[i
     return tuple(backlog), tuple(published), tuple(dead)
 
 
-def _outbox_lag(
-    win: Window,
-) -> tuple[
-    tuple[timedelta | None, ...], tuple[timedelta | None, ...], tuple[timedelta | None, ...], bool
-]:
-    """The events published in the window, by the hour they were published: the sweep's
-    ``(status, published_at)`` index."""
+def lag_query(win: Window) -> QuerySet[Any, Any]:
+    """The events published in the window, by the hour they were published (the sweep's
+    ``(status, published_at)`` index): the longest lag, and on PostgreSQL the median and the
+    95th percentile."""
     events = OutboxEvent.objects.published().filter(published_at__gte=win.start)
     lag = ExpressionWrapper(F("published_at") - F("created_at"), output_field=DurationField())
-    percentiles = connections[events.db].vendor == "postgresql"
     aggregates: dict[str, Any] = {"longest": Max("lag")}
-    if percentiles:
+    if connections[events.db].vendor == "postgresql":
         aggregates["p50"] = PercentileCont("lag", 0.5, output_field=DurationField())
         aggregates["p95"] = PercentileCont("lag", 0.95, output_field=DurationField())
-    rows = (
+    return (
         events.annotate(hour=_hour("published_at"), lag=lag)
         .values("hour")
         .annotate(**aggregates)
         .order_by()
     )
+
+
+def _outbox_lag(
+    win: Window,
+) -> tuple[
+    tuple[timedelta | None, ...], tuple[timedelta | None, ...], tuple[timedelta | None, ...], bool
+]:
+    rows = lag_query(win)
+    percentiles = "p50" in rows.query.annotations
     found: dict[str, list[timedelta | None]] = {
         name: [None] * len(win.hours) for name in ("p50", "p95", "longest")
     }
@@ -374,6 +390,8 @@ class FailureHours:
     other: tuple[int, ...]
     #: How many groups failed in each hour.
     groups_per_hour: tuple[int, ...]
+    #: How many groups failed in the window.
+    groups_seen: int = 0
 
     @property
     def empty(self) -> bool:
@@ -397,7 +415,7 @@ def failure_hours(win: Window, *, messages: bool = True, top: int = TOP_GROUPS) 
             rows.filter(last_failed_at__gte=win.start)
             .annotate(hour=_hour("last_failed_at"))
             .values("failure_fingerprint", "hour")
-            .annotate(failures=Count("pk"))
+            .annotate(failures=Count("*"))
             .order_by()
         )
         for row in grouped:
@@ -416,7 +434,7 @@ def failure_hours(win: Window, *, messages: bool = True, top: int = TOP_GROUPS) 
     per_hour = [
         sum(1 for values in counts.values() if values[index]) for index in range(len(win.hours))
     ]
-    return FailureHours(tuple(groups), tuple(other), tuple(per_hour))
+    return FailureHours(tuple(groups), tuple(other), tuple(per_hour), len(counts))
 
 
 def _signature(kind: Literal["event", "message"], fingerprint: str) -> str:

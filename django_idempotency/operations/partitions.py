@@ -513,8 +513,10 @@ def _index_statements(using: str, table: str, layout: Layout) -> list[str]:
     statements = []
     for index in layout.indexes():
         columns = ", ".join(_quote(using, layout.column(field)) for field in index.fields)
+        included = ", ".join(_quote(using, layout.column(field)) for field in index.include)
         statements.append(
             f"CREATE INDEX {_quote(using, str(index.name))} ON {_quote(using, table)} ({columns})"
+            + (f" INCLUDE ({included})" if included else "")
         )
     return statements
 
