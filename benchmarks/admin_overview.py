@@ -8,7 +8,8 @@ generate_series`` and ANALYZEd (as autovacuum would); a later run within the hou
 (the rows are placed relative to the time of the fill, so an older fill no longer matches the
 window), ``--refill`` fills it again.
 
-Idempotency records: ``--rows`` of them claimed evenly over the last ``--days`` days (1 by
+Idempotency records: ``--rows`` of them claimed evenly over the last ``--days`` days, in
+the order they were claimed (1 by
 default: every record is in the window, the worst case; with ``TTL_SECONDS`` of a day the table
 holds about that), 1 in 1,000 stuck, 1 in 1,000 running, 1 in 500 handed to a worker, 1 in 50
 answered 409 and 3 in 50 answered 422, 1 in 200 taken over. Outbox events, failed messages:
@@ -70,7 +71,8 @@ SELECT
     CASE WHEN i %% 1000 IN (0, 1) OR i %% 500 = 7 THEN NULL ELSE created END,
     created + interval '1 day' * %(days)s
 FROM generate_series(1, %(rows)s) AS i,
-     LATERAL (SELECT now() - (i::float / %(rows)s) * %(days)s * interval '1 day' AS created) AS t
+     LATERAL (SELECT now() - (1 - i::float / %(rows)s) * %(days)s * interval '1 day' AS created)
+         AS t
 """
 
 

@@ -1,7 +1,8 @@
 """End to end in headless Chromium, at a laptop's 1280 px: log in, filter stuck keys, release
 one from the list and one from its own page, check the rest; filter failed outbox events and
-retry one; requeue a failure group that changes while its confirmation page is open. Every
-changelist, change page and failure groups page is checked for columns cut off on the right.
+retry one; requeue a failure group that changes while its confirmation page is open; draw a
+day of traffic on the overview page, in the light and the dark theme. Every changelist, change
+page, failure groups page and the overview are checked for columns cut off on the right.
 
 The screenshots are those of docs/operations-admin.md: they go to ``artifacts/browser/``
 (git-ignored) under the names docs/img uses; look at them, then

@@ -100,8 +100,11 @@ def test_the_overview_is_refused_to_anyone_but_staff_who_may_see_the_records(win
     refused = client.get(url)
     assert refused.status_code == 302 and "/admin/login/" in refused["Location"]
     assert login().get(url).status_code == 403  # staff without the records' permission
-    # Nor is the link shown to them on the index.
+    # Nor is the link shown to them, on the index or in the health panel of what they see.
     assert url not in login().get(reverse("admin:index")).content.decode()
+    outbox_only = login("view_outboxevent")
+    changelist = outbox_only.get(reverse("admin:django_idempotency_outboxevent_changelist"))
+    assert changelist.status_code == 200 and url not in changelist.content.decode()
 
 
 def test_records_alone_show_the_records_charts_only(window):
@@ -191,6 +194,12 @@ def test_the_409_chart_says_how_many_keys_are_held_and_what_prometheus_counted(s
     assert "2 keys are held right now: a retry of any of them is answered 409." in html
     assert "409s answered to duplicates in flight, counted by this server process" in html
     assert overview.conflicts_counted() == overview.ConflictCount(before.value + 1, "process")
+
+
+def test_under_multiprocess_mode_the_count_is_every_worker_s(monkeypatch, tmp_path):
+    # The counters of this host's workers are files there; none have counted yet.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert overview.conflicts_counted() == overview.ConflictCount(0, "host")
 
 
 def test_without_metrics_no_prometheus_figure_is_shown(settings):

@@ -61,7 +61,7 @@ class OverviewPage(OperationsAdmin):
             raise PermissionDenied
         started = time.perf_counter()
         window = overview.window()
-        panel = HealthPanel(self.admin_site)
+        panel = HealthPanel(self.admin_site, request)
         panel.sections  # noqa: B018 - computed now, so that the time below covers it
         shown = sections(self.admin_site, request, window)
         context = {

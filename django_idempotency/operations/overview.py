@@ -207,8 +207,10 @@ def conflicts_counted() -> ConflictCount | None:
     if not conf.METRICS:
         return None
     try:
-        from prometheus_client import REGISTRY, CollectorRegistry
+        from prometheus_client import CollectorRegistry
         from prometheus_client.multiprocess import MultiProcessCollector
+
+        from django_idempotency.observability import metrics
     except ImportError:
         return None
     labels = {"outcome": "conflicted"}
@@ -217,10 +219,15 @@ def conflicts_counted() -> ConflictCount | None:
         MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         value = registry.get_sample_value(CONFLICTS_SAMPLE, labels)
         return ConflictCount(int(value or 0), "host")
-    value = REGISTRY.get_sample_value(CONFLICTS_SAMPLE, labels)
-    if value is None and REGISTRY.get_sample_value("django_idempotency_takeovers_total") is None:
-        return None  # the app's metrics are not registered here
-    return ConflictCount(int(value or 0), "process")
+    # This process's counter only: the default registry would also run every collector
+    # registered there (the outbox's gauges read the database).
+    found = (
+        sample.value
+        for family in metrics.CLAIMS.collect()
+        for sample in family.samples
+        if sample.name == CONFLICTS_SAMPLE and sample.labels == labels
+    )
+    return ConflictCount(int(next(found, 0)), "process")
 
 
 # --- the outbox -------------------------------------------------------------------------------
