@@ -481,6 +481,8 @@ def test_overview_charts_are_drawn_in_the_light_and_the_dark_theme(browser, live
 
     a_day_of_traffic()
     log_in(browser, live_server, "/admin/")
+    assert_nothing_cut_off(browser, "the admin index")
+    screenshot(browser, "admin-index")
     browser.find_element(By.CSS_SELECTOR, "#idempotency-overview-link th a").click()
     wait_for(browser, "svg.idempotency-chart-svg")
     assert_nothing_cut_off(browser, "the overview")
