@@ -50,7 +50,7 @@ EVERYTHING := not reliability
 BACKEND_ONLY := not reliability and not once
 DJANGO_SERIES_TESTS := not reliability and not slow and (not once or django_series)
 
-.PHONY: demo tour test test-quick lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay bench-retention chaos \
+.PHONY: demo tour test test-quick lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay bench-retention bench-admin chaos \
 	test-dj52-sqlite test-dj52-postgresql test-dj52-mariadb test-dj6-sqlite test-dj6-postgresql
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
@@ -174,6 +174,13 @@ bench-relay: $(VENV)/.installed
 ROWS ?= 100000
 bench-retention: $(VENV)/.installed
 	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/retention.py --rows $(ROWS) $(BENCH_ARGS)
+
+## bench-admin: the admin's overview page (the last 24 hours) on ADMIN_ROWS records and outbox
+## events on PostgreSQL (POSTGRES_URL); benchmarks/admin_overview.py
+ADMIN_ROWS ?= 1000000
+bench-admin: $(VENV)/.installed
+	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/admin_overview.py --rows $(ADMIN_ROWS) \
+		$(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_DJANGO6) .coverage* site

@@ -1,7 +1,8 @@
 """Django admin for the people on call: stuck keys, dead events and consumers' inboxes.
 
 One module per model or page: :mod:`.records`, :mod:`.outbox`, :mod:`.failure_groups`,
-:mod:`.failed_messages`, :mod:`.inbox`; what they share is in :mod:`.base`.
+:mod:`.failed_messages`, :mod:`.inbox`, :mod:`.overview` (the last 24 hours, drawn by
+:mod:`.charts`); what they share is in :mod:`.base`.
 ``IDEMPOTENCY["REGISTER_ADMIN"] = False`` skips the registration on ``admin.site`` (read once,
 when the admin autodiscovers this package); call :func:`register` for a site of your own.
 """
@@ -27,6 +28,7 @@ from django_idempotency.admin.failure_groups import GROUPS_PER_PAGE, FailureGrou
 from django_idempotency.admin.health import HealthPanel
 from django_idempotency.admin.inbox import ProcessedMessageAdmin
 from django_idempotency.admin.outbox import FailedFilter, OutboxEventAdmin, TopicFilter
+from django_idempotency.admin.overview import INDEX_TEMPLATE, OverviewPage
 from django_idempotency.admin.records import (
     ExpiredFilter,
     IdempotencyRecordAdmin,
@@ -57,6 +59,7 @@ __all__ = [
     "MAX_INDENT_DEPTH",
     "OperationsAdmin",
     "OutboxEventAdmin",
+    "OverviewPage",
     "ProcessedMessageAdmin",
     "RecentValuesFilter",
     "StuckFilter",
@@ -70,11 +73,17 @@ __all__ = [
 
 
 def register(site: admin.AdminSite = admin.site) -> None:
-    """Register this app's admins on ``site`` (done for ``admin.site`` unless switched off)."""
+    """Register this app's admins on ``site`` (done for ``admin.site`` unless switched off).
+
+    A site without an index template of its own gets one that links to the overview page
+    (``admin/django_idempotency/index.html``, Django's index with the link on top).
+    """
     site.register(IdempotencyRecord, IdempotencyRecordAdmin)
     site.register(OutboxEvent, OutboxEventAdmin)
     site.register(ProcessedMessage, ProcessedMessageAdmin)
     site.register(FailedMessage, FailedMessageAdmin)
+    if site.index_template is None:
+        site.index_template = INDEX_TEMPLATE
 
 
 if conf.REGISTER_ADMIN:

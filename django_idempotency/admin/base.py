@@ -135,7 +135,7 @@ class OperationsAdmin(ModelAdmin):
     ) -> HttpResponse:
         context = {
             "title": capfirst(self.opts.verbose_name_plural),
-            "idempotency_health": HealthPanel(self.admin_site),
+            "idempotency_health": HealthPanel(self.admin_site, request),
             **(extra_context or {}),
         }
         return super().changelist_view(request, context)

@@ -7,8 +7,10 @@ from functools import cached_property
 from typing import Any
 
 from django.contrib import admin
+from django.http import HttpRequest
 from django.urls import NoReverseMatch, reverse
 
+from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import health
 
 __all__ = ["HealthPanel"]
@@ -17,8 +19,10 @@ __all__ = ["HealthPanel"]
 class HealthPanel:
     """The health sections for the top of a changelist, computed only when rendered."""
 
-    def __init__(self, site: admin.AdminSite) -> None:
+    def __init__(self, site: admin.AdminSite, request: HttpRequest | None = None) -> None:
         self.site = site
+        #: Who looks: the link to the overview shows only if they may open it.
+        self.request = request
 
     @cached_property
     def sections(self) -> list[dict[str, Any]]:
@@ -32,6 +36,20 @@ class HealthPanel:
             }
             for section in health.snapshot()
         ]
+
+    @cached_property
+    def overview_url(self) -> str | None:
+        """The overview page of the last 24 hours (:mod:`.overview`), where the site has it and
+        the request's user may see it (the idempotency records)."""
+        if not self.site.is_registered(IdempotencyRecord):
+            return None
+        records = self.site.get_model_admin(IdempotencyRecord)
+        if self.request is not None and not records.has_view_or_change_permission(self.request):
+            return None
+        try:
+            return reverse(f"{self.site.name}:django_idempotency_idempotencyrecord_overview")
+        except NoReverseMatch:  # pragma: no cover - an admin without the overview's URL
+            return None
 
     def _url(self, model: type[Any], query: str) -> str | None:
         if not query or not self.site.is_registered(model):

@@ -21,7 +21,8 @@ from django.utils.text import Truncator
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from django_idempotency.admin.base import OperationsAdmin, preformatted, pretty_body, to_the_second
+from django_idempotency.admin.base import preformatted, pretty_body, to_the_second
+from django_idempotency.admin.overview import OverviewPage
 from django_idempotency.core import leases, statuses
 from django_idempotency.db import database_now
 from django_idempotency.db.querysets import ACCEPTED, PROCESSING
@@ -62,7 +63,7 @@ class ExpiredFilter(admin.SimpleListFilter):
         return None
 
 
-class IdempotencyRecordAdmin(OperationsAdmin):
+class IdempotencyRecordAdmin(OverviewPage):
     # Few columns, each one wrapping, so that the list fits a laptop's screen beside the
     # navigation and the filters: the state says completed (with the status replayed),
     # processing or stuck; the request is the method and the path.

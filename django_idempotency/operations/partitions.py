@@ -51,6 +51,7 @@ from django.utils.dateparse import parse_datetime
 from django_idempotency.conf import conf
 from django_idempotency.core import leases
 from django_idempotency.db import database_now
+from django_idempotency.db.indexes import extra_indexes
 from django_idempotency.exceptions import IdempotencyConfigurationError
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 
@@ -150,6 +151,11 @@ class Layout:
 
     def column(self, name: str) -> str:
         return str(self.model._meta.get_field(name).column)  # type: ignore[union-attr]
+
+    def indexes(self) -> tuple[models.Index, ...]:
+        """The table's non-unique indexes: the model's ``Meta.indexes``, and those the app's
+        migrations add beside them (``db/indexes.py``)."""
+        return (*self.model._meta.indexes, *extra_indexes(self.model))
 
     def live(self, using: str, now: datetime) -> tuple[str, str, dict[str, Any]]:
         """The SQL that labels a live row (the kind it is counted as), the condition that
@@ -502,12 +508,15 @@ def maintain(*, dry_run: bool = False, layout: Layout = RECORDS) -> dict[str, An
 
 
 def _index_statements(using: str, table: str, layout: Layout) -> list[str]:
-    """The model's non-unique indexes (``Meta.indexes``), on ``table``, under their names."""
+    """The table's non-unique indexes (:meth:`Layout.indexes`), on ``table``, under their
+    names."""
     statements = []
-    for index in layout.model._meta.indexes:
+    for index in layout.indexes():
         columns = ", ".join(_quote(using, layout.column(field)) for field in index.fields)
+        included = ", ".join(_quote(using, layout.column(field)) for field in index.include)
         statements.append(
             f"CREATE INDEX {_quote(using, str(index.name))} ON {_quote(using, table)} ({columns})"
+            + (f" INCLUDE ({included})" if included else "")
         )
     return statements
 
@@ -595,7 +604,7 @@ def partition_table(
         cursor.execute(f"LOCK TABLE {qtable} IN ACCESS EXCLUSIVE MODE")
         next_id = _next_id(cursor, using, table, layout)
         cursor.execute(f"ALTER TABLE {qtable} RENAME TO {qlegacy}")
-        for index in layout.model._meta.indexes:
+        for index in layout.indexes():
             cursor.execute(
                 f"ALTER INDEX {_quote(using, str(index.name))} "
                 f"RENAME TO {_quote(using, _legacy_index(legacy, str(index.name)))}"

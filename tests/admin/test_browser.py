@@ -1,7 +1,8 @@
 """End to end in headless Chromium, at a laptop's 1280 px: log in, filter stuck keys, release
 one from the list and one from its own page, check the rest; filter failed outbox events and
-retry one; requeue a failure group that changes while its confirmation page is open. Every
-changelist, change page and failure groups page is checked for columns cut off on the right.
+retry one; requeue a failure group that changes while its confirmation page is open; draw a
+day of traffic on the overview page, in the light and the dark theme. Every changelist, change
+page, failure groups page and the overview are checked for columns cut off on the right.
 
 The screenshots are those of docs/operations-admin.md: they go to ``artifacts/browser/``
 (git-ignored) under the names docs/img uses; look at them, then
@@ -389,3 +390,129 @@ def test_failure_groups_requeue_a_group_that_changed_meanwhile(browser, live_ser
     assert statuses == {**{f"inv-{n}": "PENDING" for n in range(5)}, "inv-5": "PUBLISHED"}
     remaining = browser.find_elements(By.CSS_SELECTOR, "#failure-groups tr.failure-group code")
     assert [code.text for code in remaining] == [signatures[1]]
+
+
+def a_day_of_traffic() -> None:
+    """24 hours of a payments service, hour by hour: requests (some refused, a few 409s, a
+    stuck key, keys taken over), events published a fraction of a second after their commit
+    until a broker outage three hours ago left a backlog, events going dead, two failure
+    groups and a consumer failing."""
+    import math
+
+    from django_idempotency.db.querysets import OutboxStatus
+    from django_idempotency.models import FailedMessage
+    from django_idempotency.operations import overview
+
+    window = overview.window()
+    records, events = [], []
+    for index, hour in enumerate(window.hours):
+        traffic = int(30 + 18 * math.sin((index - 6) / 24 * 2 * math.pi))
+        for n in range(traffic):
+            moment = hour + timedelta(seconds=n * 3599 / traffic)
+            if moment > window.now:
+                break
+            fields: dict[str, Any] = {"created_at": moment, "key": str(uuid.uuid4())}
+            if n % 9 == 0:
+                fields["response_status"] = 422
+            if index in (14, 15) and n % 7 == 3:  # a double-submitting client
+                fields["response_status"] = 409
+            if index in (8, 9) and n % 5 == 1:  # a slow database: leases ran out
+                fields["attempts"] = 2
+            records.append(IdempotencyRecordFactory.build(**fields))
+            outage = index >= len(window.hours) - 3
+            lag = timedelta(milliseconds=40 + (n % 10) * 25 + (4000 if index in (8, 9) else 0))
+            published = not outage and moment + lag <= window.now
+            events.append(
+                OutboxEventFactory.build(
+                    created_at=moment,
+                    status=OutboxStatus.PUBLISHED if published else OutboxStatus.PENDING,
+                    published_at=moment + lag if published else None,
+                    key=f"order-{index}-{n}",
+                )
+            )
+    IdempotencyRecord.objects.bulk_create(records)
+    OutboxEvent.objects.bulk_create(events)
+    IdempotencyRecordFactory(created_at=window.hours[-2], stuck=True)
+    IdempotencyRecordFactory(created_at=window.hours[-1], running=True)
+    unroutable = "PublishError: unroutable: no queue bound for 'refunds.issued'"
+    unreachable = "BrokerUnavailable: AMQP broker unreachable: ConnectionRefusedError(111)"
+    for index, error, count in ((4, unroutable, 3), (11, unroutable, 5), (21, unreachable, 6)):
+        OutboxEvent.objects.bulk_create(
+            OutboxEventFactory.build(
+                topic="refunds.issued",
+                created_at=window.hours[index] - timedelta(minutes=30),
+                status=OutboxStatus.DEAD if index < 20 else OutboxStatus.PENDING,
+                attempts=10 if index < 20 else 3,
+                last_error=error,
+                failure_fingerprint=fingerprint_of(error),
+                failing_since=window.hours[index] - timedelta(minutes=20),
+                last_failed_at=window.hours[index] + timedelta(minutes=10),
+            )
+            for _ in range(count)
+        )
+    lookup = "LookupError: no ledger account for customer 4242"
+    FailedMessage.objects.bulk_create(
+        FailedMessage(
+            consumer="ledger.post",
+            message_id=f"msg-{n}",
+            last_error=lookup,
+            failure_fingerprint=fingerprint_of(lookup),
+            failing_since=window.hours[16],
+            last_failed_at=window.hours[16 + n % 4],
+        )
+        for n in range(8)
+    )
+
+
+def chart_boxes(browser: Any) -> dict[str, list[float]]:
+    """Each chart's drawing: its width and height on the page, and its bars and points."""
+    boxes: list[list[Any]] = browser.execute_script(
+        "return [...document.querySelectorAll('svg.idempotency-chart-svg')].map(svg => {"
+        " const box = svg.getBoundingClientRect();"
+        " return [svg.id, box.width, box.height, svg.querySelectorAll('rect, circle').length]; })"
+    )
+    return {box[0]: box[1:] for box in boxes}
+
+
+def test_overview_charts_are_drawn_in_the_light_and_the_dark_theme(browser, live_server):
+    from selenium.webdriver.common.by import By
+
+    from tests.browser_support import ARTIFACTS
+
+    a_day_of_traffic()
+    log_in(browser, live_server, "/admin/")
+    assert_nothing_cut_off(browser, "the admin index")
+    screenshot(browser, "admin-index")
+    browser.find_element(By.CSS_SELECTOR, "#idempotency-overview-link th a").click()
+    wait_for(browser, "svg.idempotency-chart-svg")
+    assert_nothing_cut_off(browser, "the overview")
+    fold_navigation(browser)
+    assert_nothing_cut_off(browser, "the overview, navigation folded")
+    boxes = chart_boxes(browser)
+    assert set(boxes) == {
+        f"idempotency-chart-{key}-svg"
+        for key in ("outcomes", "conflicts", "backlog", "lag", "dead", "failures")
+    }
+    for name, (width, height, marks) in boxes.items():
+        assert width > 400 and height > 150 and marks > 0, (name, width, height, marks)
+
+    def colours() -> tuple[str, str]:
+        return browser.execute_script(
+            "const bar = document.querySelector('#idempotency-chart-outcomes-svg rect');"
+            "const label = document.querySelector('#idempotency-chart-outcomes-svg text');"
+            "return [getComputedStyle(bar).fill, getComputedStyle(label).fill];"
+        )
+
+    bar, label = colours()
+    assert bar == "rgb(63, 154, 92)"  # the "succeeded" tone, not the default black
+    screenshot(browser, "admin-overview", height=2100)
+    print(f"overview screenshot: {ARTIFACTS / 'admin-overview.png'}")
+
+    browser.execute_script("localStorage.setItem('theme', 'dark')")
+    browser.refresh()
+    wait_for(browser, "html[data-theme=dark] svg.idempotency-chart-svg")
+    dark_bar, dark_label = colours()
+    assert dark_bar == bar and dark_label != label  # the axes follow the theme
+    assert dark_label == "rgb(208, 208, 208)"  # --body-quiet-color, legible on near-black
+    screenshot(browser, "admin-overview-dark", height=2100)
+    print(f"overview screenshot, dark: {ARTIFACTS / 'admin-overview-dark.png'}")

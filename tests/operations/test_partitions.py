@@ -34,6 +34,7 @@ from django_idempotency.core.types import (
 )
 from django_idempotency.db import database_now
 from django_idempotency.db import postgresql as pg
+from django_idempotency.db.indexes import RECORD_CREATED_INDEX
 from django_idempotency.exceptions import PartitionMissing
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.operations import partitions
@@ -179,6 +180,55 @@ def test_the_migration_keeps_every_row_and_goes_back(partitioned):
     assert "django_idempotency_scope_key_uniq" in names
     assert isinstance(claim("after-the-move-back"), Proceed)
     assert IdempotencyRecord.objects.get(key="after-the-move-back").id > new_id
+
+
+def overview_index() -> tuple[str, bool, str, int] | None:
+    """The overview's index (``db/indexes.py``): its kind (``I``: partitioned, ``i``: plain),
+    whether it is valid, its definition, and how many partitions' indexes are attached to it."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT c.relkind, i.indisvalid, pg_get_indexdef(i.indexrelid), "
+            "(SELECT count(*) FROM pg_inherits WHERE inhparent = i.indexrelid) "
+            "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = %s",
+            [RECORD_CREATED_INDEX.name],
+        )
+        row = cursor.fetchone()
+    return None if row is None else (row[0], row[1], row[2], row[3])
+
+
+def test_the_overview_index_follows_the_moves_and_is_built_partition_by_partition(partitioned):
+    import importlib
+
+    from django.apps import apps
+
+    migration = importlib.import_module("django_idempotency.migrations.0009_record_created_index")
+    covering = "(created_at) INCLUDE (status, response_status, lease_expires_at, attempts)"
+    kind, valid, definition, _ = overview_index()
+    assert (kind, valid) == ("i", True) and definition.endswith(covering)
+
+    partitioned()
+    count = len(partitions.partitions())
+    assert count >= 2
+    kind, valid, definition, attached = overview_index()
+    assert (kind, valid, attached) == ("I", True, count) and definition.endswith(covering)
+
+    # The migration on a partitioned table: the parent's index, then each partition's, built
+    # concurrently and attached; the parent's is valid once all are.
+    with connection.schema_editor(atomic=False) as editor:
+        migration.drop_index(apps, editor)
+    assert overview_index() is None
+    with connection.schema_editor(atomic=False) as editor:
+        migration.create_index(apps, editor)
+        migration.create_index(apps, editor)  # run again: nothing to do
+    kind, valid, definition, attached = overview_index()
+    assert (kind, valid, attached) == ("I", True, count) and definition.endswith(covering)
+    # A partition created afterwards gets its own from the parent's.
+    partitions.create_partitions(ahead_days=conf.PARTITION_AHEAD_DAYS + 2)
+    assert overview_index()[3] == len(partitions.partitions()) > count
+
+    partitions.unpartition_table()
+    kind, valid, definition, _ = overview_index()
+    assert (kind, valid) == ("i", True) and definition.endswith(covering)
 
 
 def test_partitioning_needs_the_setting(transactional_db):
