@@ -3,7 +3,7 @@
 ``django_idempotency_created_idx``, on the idempotency records' ``created_at``, bounds the admin
 overview's per-hour queries to the last 24 hours (``operations/overview.py``): without it
 they would read the whole records table whenever ``TTL_SECONDS`` keeps more than a day of
-records, and on PostgreSQL it covers them (they read the index, not the table). Migration 0009
+records, and on PostgreSQL it covers them (they read the index, not the table). Migration 0010
 creates it (``CREATE INDEX CONCURRENTLY`` on PostgreSQL, one partition at a time when the
 table is partitioned), and the partition machinery (``operations/partitions.py``) carries it
 like the model's own indexes when it moves the table to partitions and back.

@@ -477,7 +477,7 @@ def chart_boxes(browser: Any) -> dict[str, list[float]]:
 def test_overview_charts_are_drawn_in_the_light_and_the_dark_theme(browser, live_server):
     from selenium.webdriver.common.by import By
 
-    from tests.browser_support import ARTIFACTS
+    from tests.support.browser_support import ARTIFACTS
 
     a_day_of_traffic()
     log_in(browser, live_server, "/admin/")

@@ -201,7 +201,7 @@ def test_the_overview_index_follows_the_moves_and_is_built_partition_by_partitio
 
     from django.apps import apps
 
-    migration = importlib.import_module("django_idempotency.migrations.0009_record_created_index")
+    migration = importlib.import_module("django_idempotency.migrations.0010_record_created_index")
     covering = "(created_at) INCLUDE (status, response_status, lease_expires_at, attempts)"
     kind, valid, definition, _ = overview_index()
     assert (kind, valid) == ("i", True) and definition.endswith(covering)

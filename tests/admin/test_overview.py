@@ -3,7 +3,7 @@
 Rows are written at known hours of the window the page reads (its hours start at the
 database's time, which freezegun cannot move); the counts per hour are checked in the queries'
 results, in the charts the page draws and in the tables under them. The browser's view of the
-page (the charts drawn, the screenshot) is in ``test_admin_browser.py``.
+page (the charts drawn, the screenshot) is in ``tests/admin/test_browser.py``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from django_idempotency.db.indexes import RECORD_CREATED_INDEX
 from django_idempotency.db.querysets import OutboxStatus
 from django_idempotency.models import FailedMessage, IdempotencyRecord
 from django_idempotency.operations import overview
-from tests.admin_support import login
-from tests.factories import IdempotencyRecordFactory, OutboxEventFactory
+from tests.support.admin_support import login
+from tests.support.factories import IdempotencyRecordFactory, OutboxEventFactory
 
 pytestmark = pytest.mark.django_db
 

@@ -93,7 +93,7 @@ class Migration(migrations.Migration):
     atomic = False
 
     dependencies = [
-        ("django_idempotency", "0008_outbox_failure_kind"),
+        ("django_idempotency", "0009_failure_columns"),
     ]
 
     operations = [
