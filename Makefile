@@ -50,7 +50,7 @@ EVERYTHING := not reliability
 BACKEND_ONLY := not reliability and not once
 DJANGO_SERIES_TESTS := not reliability and not slow and (not once or django_series)
 
-.PHONY: demo tour test test-quick lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay bench-retention bench-admin chaos \
+.PHONY: demo tour test test-quick lint typecheck migrations-check test-django52 test-django6 test-reliability docs clean bench-relay bench-relay-brokers bench-retention bench-admin chaos \
 	test-dj52-sqlite test-dj52-postgresql test-dj52-mariadb test-dj6-sqlite test-dj6-postgresql
 
 $(VENV)/.installed: pyproject.toml requirements-dev.txt
@@ -163,9 +163,15 @@ chaos: $(VENV)/.installed
 	$(VENV)/bin/python -m tests.reliability.chaos --database all --json artifacts/chaos.json \
 		$(CHAOS_ARGS)
 
-## bench-relay: outbox relay events/s on PostgreSQL (POSTGRES_URL; AMQP_URL for the AMQP rows),
-## then a fleet of 1, 2 and 4 relay processes (benchmarks/relay_fleet.py)
+## bench-relay: the relay as deployed on PostgreSQL (POSTGRES_URL, REDIS_URL): 1, 2 and 4
+## `outbox_relay --loop` processes against the SQL floor, per publisher; writes
+## benchmarks/results/relay.json (benchmarks/relay_deployed.py)
 bench-relay: $(VENV)/.installed
+	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/relay_deployed.py $(BENCH_ARGS)
+
+## bench-relay-brokers: one relay in process per real broker (AMQP_URL, NATS_URL), then relay
+## processes with in-memory, AMQP and Celery publishers and commit -> publish latency
+bench-relay-brokers: $(VENV)/.installed
 	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/relay_throughput.py $(BENCH_ARGS)
 	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/relay_fleet.py
 

@@ -1,6 +1,6 @@
 """A relay fleet: events/s for 1, 2 and 4 relays, each a process of its own, draining one outbox.
 
-    make bench-relay        # runs this after relay_throughput.py
+    make bench-relay-brokers   # runs this after relay_throughput.py
     python benchmarks/relay_fleet.py --events 10000 --keys 100 --relays 1,2,4
 
 Fills the outbox with ``--events`` committed events spread over ``--keys`` ordering keys, starts

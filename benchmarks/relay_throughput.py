@@ -1,6 +1,6 @@
 """Relay throughput on PostgreSQL: events per second, in-memory, AMQP and NATS JetStream.
 
-    make bench-relay        # needs POSTGRES_URL; AMQP_URL for the AMQP rows; NATS_URL
+    make bench-relay-brokers    # needs POSTGRES_URL; AMQP_URL for the AMQP rows; NATS_URL
                             # (default nats://127.0.0.1:4222, skipped if down) for JetStream
 
 Creates a throwaway test database, fills the outbox with ``--events`` committed events, and

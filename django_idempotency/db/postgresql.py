@@ -588,9 +588,11 @@ def outbox_ack_statement(
     column_types: Mapping[str, str],
     *,
     relay_lock: bool,
+    notify_channel: str | None = None,
 ) -> str:
     """The relay's acknowledgement of a batch as one statement: every outcome, fenced on the
-    relay token, and the batch's relay lock let go.
+    relay token, the batch's relay lock let go, and with ``notify_channel`` a NOTIFY there when
+    it changed any event (it commits with the statement: waiting relays look again).
 
     Parameters are named: ``id`` and ``kind`` (:data:`ACK_SENT`, :data:`ACK_FAILED` or
     :data:`ACK_UNTRIED`) and each of :data:`ACK_COLUMNS`, one array each with an element per
@@ -651,12 +653,18 @@ def outbox_ack_statement(
         f"{name('relay_token')} = NULL",
     ]
     released = f"pg_advisory_unlock({RELAY_LOCK_CLASS}, %(relay_lock)s)" if relay_lock else "NULL"
+    notified = (
+        f", (SELECT pg_notify({_literal(notify_channel)}, '') "
+        "FROM (SELECT 1 FROM changed LIMIT 1) AS any_change)"
+        if notify_channel
+        else ""
+    )
     return (
         f"WITH outcome AS (SELECT * FROM unnest({arrays}) AS outcome ({', '.join(outcome)})), "
         f"changed AS (UPDATE {table} SET {', '.join(assignments)} FROM outcome "
         f"WHERE {table}.{name('id')} = outcome.id AND {table}.{name('relay_token')} = %(token)s "
         f"RETURNING {table}.{name('id')}) "
-        f"SELECT ARRAY(SELECT changed.{name('id')} FROM changed), {released}"
+        f"SELECT ARRAY(SELECT changed.{name('id')} FROM changed), {released}{notified}"
     )
 
 

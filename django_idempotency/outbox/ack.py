@@ -36,6 +36,7 @@ from django_idempotency.db import postgresql, prepared, rows, session_locks
 from django_idempotency.db.querysets import OutboxEventQuerySet, OutboxStatus
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox.clock import DatabaseClock
+from django_idempotency.outbox.publish import NOTIFY_CHANNEL
 from django_idempotency.outbox.report import RelayStats
 
 __all__ = ["Acknowledged", "Failure", "acknowledge", "backoff_delay"]
@@ -91,9 +92,13 @@ def acknowledge(
     outcomes: dict[int, BaseException | None],
     clock: DatabaseClock,
     rng: random.Random,
+    *,
+    wake: bool = False,
 ) -> Acknowledged:
     """Record the batch's outcomes where this relay still holds the events, release what it
-    did not try, and let go of the batch's lock.
+    did not try, and let go of the batch's lock. With ``wake``, the listening relays are
+    woken when it changed any event (PostgreSQL, ``OUTBOX_NOTIFY``; inside the statement, so
+    it costs no round trip): one may have found the batch's keys held and gone to sleep.
 
     Nothing is written on the events in memory until that committed: a batch whose
     acknowledgement failed is acknowledged again from the same events."""
@@ -108,7 +113,8 @@ def acknowledge(
     )
     untried = [event.pk for event in events if event.pk not in outcomes]
     if connections[using].vendor == "postgresql":
-        owned = _ack_in_one_statement(using, token, now, sent, failures, untried)
+        notify = wake and conf.OUTBOX_NOTIFY
+        owned = _ack_in_one_statement(using, token, now, sent, failures, untried, notify)
     else:
         owned = _ack_in_a_transaction(outbox, token, now, sent, failures, untried)
     stats = RelayStats(claimed=len(events))
@@ -180,9 +186,11 @@ def _ack_in_one_statement(
     sent: list[OutboxEvent],
     failures: list[Failure],
     untried: list[int],
+    notify: bool,
 ) -> set[int]:
-    """PostgreSQL: every outcome and the lock's release in one statement, in autocommit
-    (``db.postgresql.outbox_ack_statement``); the ids of the events it changed."""
+    """PostgreSQL: every outcome and the lock's release (and with ``notify`` the NOTIFY) in
+    one statement, in autocommit (``db.postgresql.outbox_ack_statement``); the ids of the
+    events it changed."""
     connection = connections[using]
     relay_lock = session_locks.enabled(using) and token is not None
     outcome_rows: list[tuple[int, str, dict[str, Any]]] = [
@@ -202,8 +210,8 @@ def _ack_in_one_statement(
         assert token is not None
         params["relay_lock"] = session_locks.lock_id(token)
     with prepared.cursor(connection) as cursor:
-        cursor.execute(_ack_statement(using, relay_lock), params)
-        changed, _ = cursor.fetchone()
+        cursor.execute(_ack_statement(using, relay_lock, notify), params)
+        changed = cursor.fetchone()[0]
     return set(changed)
 
 
@@ -242,7 +250,7 @@ def _ack_in_a_transaction(
 
 
 @functools.lru_cache(maxsize=16)
-def _ack_statement(using: str, relay_lock: bool) -> str:
+def _ack_statement(using: str, relay_lock: bool, notify: bool) -> str:
     """The acknowledgement's text: it depends only on the connection, so it is built once."""
     connection = connections[using]
     types = {
@@ -254,6 +262,7 @@ def _ack_statement(using: str, relay_lock: bool) -> str:
         functools.partial(rows.quoted_column, connection, OutboxEvent),
         types,
         relay_lock=relay_lock,
+        notify_channel=NOTIFY_CHANNEL if notify else None,
     )
 
 

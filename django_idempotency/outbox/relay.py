@@ -10,7 +10,9 @@ Each step has its module, and the reasoning about locks and order is there:
 * **Ack** (ack.py), every change fenced on the batch's token, then the signals and logs
   (announce.py) once it committed.
 * **Between passes**: a relay that runs for good holds a seat among the relays and releases the
-  batches of relays that are gone (fleet.py), and sleeps until a commit or its poll (waiting.py).
+  batches of relays that are gone (fleet.py). After a pass that claimed events it passes again at
+  once; after one that found nothing it sleeps until a commit, another relay's acknowledgement
+  or its poll (waiting.py), so no relay idles while events it could claim wait.
 
 Order: events with the same ``key`` leave in id order (``RELAY_ORDER``, whose first column is
 always 0). An event is only claimed when no earlier unpublished event with its key exists outside
@@ -178,9 +180,17 @@ class Relay:
         self, events: list[OutboxEvent], outcomes: Outcomes, clock: DatabaseClock
     ) -> RelayStats:
         """Record the outcomes, then announce them: signals and logs see the committed state."""
-        acknowledged = acknowledge(self._outbox(), events, outcomes, clock, self.rng)
+        acknowledged = acknowledge(
+            self._outbox(), events, outcomes, clock, self.rng, wake=self._not_alone()
+        )
         announce(acknowledged, self._sender.publisher_names, self._route_failures)
         return acknowledged.stats
+
+    def _not_alone(self) -> bool:
+        """Whether another relay may be waiting on this one's batch: unless this relay holds a
+        seat and knows itself the only one, say so (a drain, the kick, a Celery task)."""
+        seat = self._seating.seat
+        return seat is None or seat.fleet > 1
 
     def _record_unrecorded(self) -> RelayStats:
         kept = self._unrecorded
@@ -220,10 +230,13 @@ class Relay:
         poll_seconds: float | None = None,
         on_pass: Callable[[RelayStats], None] | None = None,
     ) -> None:
-        """Relay until ``stop`` is set: wake on NOTIFY (PostgreSQL) or every ``poll_seconds``."""
+        """Relay until ``stop`` is set. A pass that claimed events is followed by another at
+        once; one that found nothing sleeps until a NOTIFY (PostgreSQL: a publishing commit,
+        or another relay's acknowledgement) or ``poll_seconds``."""
         stop = stop or threading.Event()
         self.share_keys = True  # running for good: one of the fleet
         poll = conf.OUTBOX_POLL_SECONDS if poll_seconds is None else poll_seconds
+        busy = False  # the last pass claimed events
         with waiter(self.using) as wait:
             while not stop.is_set():
                 # Drops connections that broke or outlived CONN_MAX_AGE; every pass then starts
@@ -238,8 +251,13 @@ class Relay:
                     continue
                 if on_pass is not None:
                     on_pass(stats)
-                if stats.claimed < self.batch_size:
-                    wait(poll, stop, stats.claimed > 0)
+                if stats.claimed:
+                    # Whatever freed up meanwhile (heads another relay held, events committed
+                    # during the pass) is claimable now: no NOTIFY needed to come back for it.
+                    busy = True
+                    continue
+                wait(poll, stop, busy)
+                busy = False
         self._give_up_unrecorded()
 
     def _give_up_unrecorded(self) -> None:

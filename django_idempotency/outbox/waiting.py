@@ -1,5 +1,8 @@
 """Waiting between a relay's passes: woken by a publishing commit where the database can say so,
 else polling, so a relay sees a new event within milliseconds and an idle one costs little.
+
+An acknowledgement wakes the others too (``outbox.ack``): a relay that found only heads another
+relay held waits on that relay's ack, not on its poll.
 """
 
 from __future__ import annotations
