@@ -1,7 +1,7 @@
 """Relay throughput on PostgreSQL: events per second, in-memory, AMQP and NATS JetStream.
 
     make bench-relay-brokers    # needs POSTGRES_URL; AMQP_URL for the AMQP rows; NATS_URL
-                            # (default nats://127.0.0.1:4222, skipped if down) for JetStream
+                                # (default nats://127.0.0.1:4222, skipped if down) for JetStream
 
 Creates a throwaway test database, fills the outbox with ``--events`` committed events, and
 times ``Relay(batch_size=...).drain()`` until every event is PUBLISHED, for each publisher and

@@ -75,10 +75,12 @@ class _Claim:
         same_key = events.filter(key=OuterRef("key"))
         earlier = same_key.filter(BeforeInRelayOrder(OuterRef("transaction_id"), OuterRef("pk")))
         # An earlier event that this very claim could take does not block: it sorts first and
-        # lands in the same batch. One that is DEAD, backing off or leased elsewhere does.
-        blocked = Exists(earlier.filter(status=OutboxStatus.DEAD)) | Exists(
-            earlier.filter(status=OutboxStatus.PENDING).filter(
-                backing_off_q(now) | Q(locked_until__gt=now)
+        # lands in the same batch. One that is DEAD, backing off or leased elsewhere does. One
+        # subquery, on the key's index range of unpublished events: the planner cannot serve
+        # it from an index on the status alone, which reads every DEAD event of the outbox.
+        blocked = Exists(
+            earlier.filter(status__in=UNPUBLISHED).filter(
+                Q(status=OutboxStatus.DEAD) | backing_off_q(now) | Q(locked_until__gt=now)
             )
         )
         return events.due(now).filter(Q(key="") | ~blocked).in_relay_order()

@@ -1,0 +1,143 @@
+"""The relay's claim costs the same whenever the outbox's statistics were taken (PostgreSQL).
+
+A queue's statistics are stale by nature: taken while it was empty, or during a deep backlog.
+The claim's plan is pinned (``db.postgresql.PIN_OUTBOX_CLAIM_PLAN``) so that its per-key
+subqueries walk their key's index range and stop at the first answer. What is measured is the
+work the database reports (shared buffers touched, from ``EXPLAIN (ANALYZE, BUFFERS)``), not
+time: the same on any machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from django_idempotency.db import postgresql
+from django_idempotency.models import OutboxEvent
+from django_idempotency.outbox import claim as claim_module
+from django_idempotency.outbox.relay import Relay
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="the plan pinned is PostgreSQL's"),
+]
+
+TABLE = OutboxEvent._meta.db_table
+KEYS = 100
+#: The plan before bitmap scans were turned off: only sorting and JIT.
+UNGUARDED_PIN = "SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true)"
+
+
+def fill(pending: int, dead: int = 0) -> None:
+    """``pending`` events on KEYS keys, interleaved, and ``dead`` DEAD events on keys of their
+    own (a route that failed for good), in one statement each."""
+    with connection.cursor() as cursor:
+        for count, status, key in ((pending, "PENDING", "account-"), (dead, "DEAD", "dead-")):
+            cursor.execute(
+                f"INSERT INTO {TABLE} (event_id, topic, key, payload, headers, status, attempts, "
+                "transaction_id, created_at, next_attempt_at, last_error) "
+                "SELECT gen_random_uuid(), 'orders.paid', %s || (n %% %s), "
+                "jsonb_build_object('n', n), '{}', %s, 0, 0, now() - interval '1 minute', "
+                "now() - interval '1 minute', '' "
+                "FROM generate_series(1, %s) AS n",
+                [key, KEYS, status, count],
+            )
+
+
+def analyze() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {TABLE}")
+
+
+def claim_statement(relay: Relay) -> tuple[str, Any]:
+    """The statement the relay's next claim runs, and its parameters (nothing is claimed)."""
+    captured: list[tuple[str, Any]] = []
+    real = claim_module.postgresql.fetch_outbox_claim
+
+    def capture(connection: Any, statement: str, params: Any) -> list[tuple[Any, ...]]:
+        captured.append((statement, params))
+        return [(timezone.now(), None, None)]  # no batch
+
+    claim_module.postgresql.fetch_outbox_claim = capture  # type: ignore[assignment]
+    try:
+        relay._claim()
+    finally:
+        claim_module.postgresql.fetch_outbox_claim = real  # type: ignore[assignment]
+    return captured[0]
+
+
+def buffers(relay: Relay, pin: str = postgresql.PIN_OUTBOX_CLAIM_PLAN) -> tuple[int, int]:
+    """How many events the claim would take, and the shared buffers it touches doing so, under
+    ``pin``; rolled back."""
+    statement, params = claim_statement(relay)
+    with connection.cursor() as cursor:
+        cursor.execute("BEGIN")
+        try:
+            cursor.execute(pin)
+            cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {statement}", params)
+            plan = cursor.fetchone()[0][0]["Plan"]
+        finally:
+            cursor.execute("ROLLBACK")
+    claimed = next(node for node in walk(plan) if node.get("Subplan Name") == "CTE claimed")
+    return claimed["Actual Rows"], plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
+
+
+def walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from walk(child)
+
+
+@pytest.fixture
+def relay() -> Iterator[Relay]:
+    with Relay() as relay:
+        yield relay
+
+
+@pytest.mark.parametrize("statistics", ["taken while empty", "taken with the backlog"])
+def test_a_claim_on_100000_pending_events_reads_a_batchs_worth(relay, statistics):
+    if statistics == "taken while empty":
+        analyze()
+    fill(100_000, dead=2_000)
+    if statistics == "taken with the backlog":
+        analyze()
+    claimed, touched = buffers(relay)
+    assert claimed == relay.batch_size
+    # About 50 per event (the row, its lock, the per-key probes, the lease): a batch's worth,
+    # not the backlog's.
+    assert touched < 100 * relay.batch_size, touched
+
+
+def every_keys_head_leased(relay: Relay) -> None:
+    """One real claim: a batch holding the first events of every key, so that the next claim
+    finds nothing it may take and reads past every pending event."""
+    events, _ = relay._claim()
+    assert {event.key for event in events} == {f"account-{n}" for n in range(KEYS)}
+
+
+def test_a_claim_that_finds_every_key_held_reads_each_pending_event_once(relay):
+    fill(100_000, dead=2_000)
+    every_keys_head_leased(relay)
+    analyze()
+    claimed, touched = buffers(relay)
+    assert claimed == 0
+    # A few buffers per pending event: its row, and its key's probe stopping at the held head.
+    assert touched < 15 * 100_000, touched
+
+
+def test_control_with_bitmap_scans_allowed_the_held_claim_reads_each_keys_history():
+    """The guard removed (bitmap scans allowed), on a smaller backlog: the statistics of a deep
+    backlog make each candidate's probe read every earlier event of its key."""
+    with Relay() as relay:
+        fill(20_000)
+        every_keys_head_leased(relay)
+        analyze()
+        claimed, touched = buffers(relay, pin=UNGUARDED_PIN)
+        assert claimed == 0
+        assert touched > 15 * 20_000, touched
+        _, guarded = buffers(relay)
+    assert touched > 5 * guarded
