@@ -69,9 +69,26 @@ RESULTS = ROOT / "benchmarks" / "results" / "relay.json"
 
 
 def stage(count: int, keys: int) -> None:
-    """Commit ``count`` events through ``publish()`` once, and keep a copy to load each run."""
-    fill(count, keys)
+    """``count`` events on ``keys`` keys, interleaved, kept in a table of their own to load each
+    run: the first 1,000 committed through ``publish()``, the rest copies of them with ids, keys
+    and payloads of their own (a million events through ``publish()`` would take minutes)."""
+    fill(min(count, 1000), keys)
     with connection.cursor() as cursor:
+        if count > 1000:
+            columns = [
+                field.column
+                for field in OutboxEvent._meta.concrete_fields
+                if field.column not in ("id", "event_id", "key", "payload")
+            ]
+            listed = ", ".join(columns)
+            cursor.execute(
+                f"INSERT INTO {TABLE} (event_id, key, payload, {listed}) "
+                f"SELECT gen_random_uuid(), 'aggregate-' || (n %% %s), "
+                f"jsonb_build_object('order', n, 'total', '19.99'), {listed} "
+                f"FROM generate_series(1000, %s) AS n, "
+                f"(SELECT {listed} FROM {TABLE} ORDER BY id LIMIT 1) AS template",
+                [keys, count - 1],
+            )
         cursor.execute(f"DROP TABLE IF EXISTS {STAGING}")
         cursor.execute(f"CREATE TABLE {STAGING} AS SELECT * FROM {TABLE} ORDER BY id")
         cursor.execute(f"TRUNCATE {TABLE}")
@@ -333,6 +350,9 @@ def main() -> None:
     parser.add_argument("--publishers", default="memory,redis,latency")
     parser.add_argument("--shapes", default="backlog,burst")
     parser.add_argument("--no-floor", action="store_true", help="relays only")
+    parser.add_argument(
+        "--fail-one-in", type=int, default=0, help="one event in N fails its first attempt"
+    )
     parser.add_argument("--out", default=str(RESULTS), help="where the JSON goes ('' for none)")
     parser.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -341,6 +361,9 @@ def main() -> None:
         return
     if connection.vendor != "postgresql":
         raise SystemExit("Run with TEST_DATABASE=postgresql and POSTGRES_URL set.")
+    if args.fail_one_in:
+        os.environ["RELAY_BENCH_FAIL_ONE_IN"] = str(args.fail_one_in)
+        args.no_floor = True  # the floor has no retries: it would count the failures lost
     old_name = connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
     machine = host()
     rows: list[dict[str, Any]] = []
@@ -396,7 +419,16 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(
-            json.dumps({"host": machine, "keys": args.keys, "rows": rows}, indent=2) + "\n"
+            json.dumps(
+                {
+                    "host": machine,
+                    "keys": args.keys,
+                    "fail_one_in": args.fail_one_in,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+            + "\n"
         )
         print(f"\nWritten to {args.out}")
     if bad:

@@ -13,12 +13,16 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
+from django_idempotency.exceptions import PublishError
 from django_idempotency.publishers.base import OutboxMessage, Publisher
 
 __all__ = ["LatencyPublisher", "MemoryLogPublisher", "RedisPushPublisher"]
 
 #: Seconds a :class:`LatencyPublisher` batch takes: a broker whose confirms come back together.
 BATCH_LATENCY_SECONDS = float(os.environ.get("RELAY_BENCH_BATCH_LATENCY", "0.005"))
+#: With N here, one event in N fails its first attempt (published on its retry, after the
+#: relay's backoff).
+FAIL_ONE_IN = int(os.environ.get("RELAY_BENCH_FAIL_ONE_IN", "0"))
 
 
 class MemoryLogPublisher(Publisher):
@@ -32,9 +36,16 @@ class MemoryLogPublisher(Publisher):
         self.publish_many([message])
 
     def publish_many(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
-        self.send(messages)
-        self.note(messages)
-        return [None] * len(messages)
+        results: list[BaseException | None] = [
+            PublishError(f"injected first-attempt failure for {message.event_id}")
+            if FAIL_ONE_IN and message.attempt == 1 and message.event_id.int % FAIL_ONE_IN == 0
+            else None
+            for message in messages
+        ]
+        accepted = [m for m, error in zip(messages, results, strict=True) if error is None]
+        self.send(accepted)
+        self.note(accepted)
+        return results
 
     def send(self, messages: Sequence[OutboxMessage]) -> None:
         """Hand the messages to the broker (nothing here)."""

@@ -11,8 +11,9 @@ Each step has its module, and the reasoning about locks and order is there:
   (announce.py) once it committed.
 * **Between passes**: a relay that runs for good holds a seat among the relays and releases the
   batches of relays that are gone (fleet.py). After a pass that claimed events it passes again at
-  once; after one that found nothing it sleeps until a commit, another relay's acknowledgement
-  or its poll (waiting.py), so no relay idles while events it could claim wait.
+  once; after one that found nothing it sleeps until a commit, another relay's acknowledgement,
+  the retry of an event it failed, or its poll (waiting.py), so no relay idles while events it
+  could claim wait.
 
 Order: events with the same ``key`` leave in id order (``RELAY_ORDER``, whose first column is
 always 0). An event is only claimed when no earlier unpublished event with its key exists outside
@@ -40,6 +41,7 @@ gap locks REPEATABLE READ adds to the claim's scan last only for that short tran
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 import threading
@@ -51,7 +53,7 @@ from django.db import DatabaseError, close_old_connections, connections, router
 from django.db.models import Q
 
 from django_idempotency.conf import conf
-from django_idempotency.db.querysets import OutboxEventQuerySet
+from django_idempotency.db.querysets import OutboxEventQuerySet, OutboxStatus
 from django_idempotency.exceptions import OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox.ack import acknowledge
@@ -112,6 +114,9 @@ class Relay:
         self._route_failures = RouteFailures()
         #: A published batch whose outcomes the database could not take yet.
         self._unrecorded: _Outcomes | None = None
+        #: When (monotonic) the events this relay failed fall due again, soonest first: a loop
+        #: that finds nothing wakes for the first instead of sleeping out its poll.
+        self._retries_due: list[float] = []
         self._gone_relays = GoneRelays(self.using)
         #: This relay's seat among the relays, when it shares the keys.
         self._seating = Seating(self.using)
@@ -184,7 +189,20 @@ class Relay:
             self._outbox(), events, outcomes, clock, self.rng, wake=self._not_alone()
         )
         announce(acknowledged, self._sender.publisher_names, self._route_failures)
+        for failure in acknowledged.failures:
+            if failure.event.status == OutboxStatus.PENDING:
+                delay = (failure.event.next_attempt_at - acknowledged.now).total_seconds()
+                heapq.heappush(self._retries_due, time.monotonic() + max(delay, 0.0))
         return acknowledged.stats
+
+    def _sleep_at_most(self, poll: float) -> float:
+        """The poll, or less: until the first of this relay's failed events falls due again."""
+        now = time.monotonic()
+        while self._retries_due and self._retries_due[0] <= now:
+            heapq.heappop(self._retries_due)
+        if not self._retries_due:
+            return poll
+        return min(poll, self._retries_due[0] - now)
 
     def _not_alone(self) -> bool:
         """Whether another relay may be waiting on this one's batch: unless this relay holds a
@@ -232,7 +250,8 @@ class Relay:
     ) -> None:
         """Relay until ``stop`` is set. A pass that claimed events is followed by another at
         once; one that found nothing sleeps until a NOTIFY (PostgreSQL: a publishing commit,
-        or another relay's acknowledgement) or ``poll_seconds``."""
+        or another relay's acknowledgement), until an event it failed falls due again, or
+        ``poll_seconds``."""
         stop = stop or threading.Event()
         self.share_keys = True  # running for good: one of the fleet
         poll = conf.OUTBOX_POLL_SECONDS if poll_seconds is None else poll_seconds
@@ -256,7 +275,7 @@ class Relay:
                     # during the pass) is claimable now: no NOTIFY needed to come back for it.
                     busy = True
                     continue
-                wait(poll, stop, busy)
+                wait(self._sleep_at_most(poll), stop, busy)
                 busy = False
         self._give_up_unrecorded()
 

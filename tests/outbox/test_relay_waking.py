@@ -1,6 +1,6 @@
 """A relay loop never idles while events it could claim wait: after a pass that claimed events it
-passes again at once, and a relay that found only heads another relay held wakes on that relay's
-acknowledgement (a NOTIFY), not on its poll.
+passes again at once, a relay that found only heads another relay held wakes on that relay's
+acknowledgement (a NOTIFY), and one whose event failed wakes when it falls due, not on its poll.
 
 Every loop here polls only every 300 s, so only the behaviour under test can publish in time.
 """
@@ -19,12 +19,17 @@ from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.outbox.report import RelayStats
 from django_idempotency.publishers.memory import broker
-from tests.support.outbox_support import publish_committed, wait_for
+from tests.support.outbox_support import (
+    CeilingRandom,
+    publish_committed,
+    settings_with,
+    wait_for,
+)
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(connection.vendor != "postgresql", reason="LISTEN/NOTIFY is PostgreSQL's"),
-]
+pytestmark = pytest.mark.django_db(transaction=True)
+postgresql_only = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="LISTEN/NOTIFY is PostgreSQL's"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -128,17 +133,20 @@ def found_held_heads_then_waited(*, wake: bool, monkeypatch: pytest.MonkeyPatch)
     return sent_ids()
 
 
+@postgresql_only
 def test_a_relay_that_found_held_heads_wakes_on_the_holders_acknowledgement(monkeypatch):
     sent = found_held_heads_then_waited(wake=True, monkeypatch=monkeypatch)
     assert sent == list(OutboxEvent.objects.order_by("pk").values_list("event_id", flat=True))
 
 
+@postgresql_only
 def test_control_without_the_acknowledgements_notify_the_loop_sleeps_on_its_poll(monkeypatch):
     """The guard above removed: the freed key's third event waits for the 300 s poll."""
     sent = found_held_heads_then_waited(wake=False, monkeypatch=monkeypatch)
     assert len(sent) == 2
 
 
+@postgresql_only
 def test_a_relay_loop_passes_again_at_once_after_a_pass_that_claimed_events(monkeypatch):
     """No NOTIFY at all from acknowledgements: the loop's pass claims another key's event while
     the first key's heads are held, and the holder acknowledges during that pass. The pass
@@ -161,3 +169,33 @@ def test_a_relay_loop_passes_again_at_once_after_a_pass_that_claimed_events(monk
         wait_for(lambda: len(broker.snapshot()) == 4, timeout=10, what="the freed key's event")
     assert passes[0].claimed == 1  # less than a batch: the old loop slept here
     assert sent_ids() == [held[0].event_id, held[1].event_id, other.event_id, held[2].event_id]
+
+
+def failed_once_then_waited(*, wake: bool, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """An event whose first attempt fails, with a backoff of exactly 0.5 s, relayed by a lone
+    loop; what was published 3 s later (the loop's poll is 300 s away)."""
+    if not wake:
+        monkeypatch.setattr(Relay, "_sleep_at_most", lambda self, poll: poll)
+    broker.fail_when(lambda message: message.attempt == 1)
+    event = publish_committed(key="account-1")
+    passes: list[RelayStats] = []
+    with (
+        settings_with(OUTBOX_BACKOFF_BASE_SECONDS=0.5),
+        relay_loop(Relay(rng=CeilingRandom()), passes),
+    ):
+        if wake:
+            wait_for(broker.snapshot, timeout=10, what="the retry")
+        else:
+            threading.Event().wait(3)
+    assert passes[0].failed == 1
+    assert all(stats.claimed == 0 for stats in passes[1:2])  # then nothing was due
+    return [message.event_id for message in broker.snapshot() if message.event_id == event.event_id]
+
+
+def test_a_relay_loop_wakes_when_an_event_it_failed_falls_due(monkeypatch):
+    assert len(failed_once_then_waited(wake=True, monkeypatch=monkeypatch)) == 1
+
+
+@postgresql_only  # polling relays back off from 50 ms after a busy pass and would find it anyway
+def test_control_without_the_retry_deadline_the_loop_sleeps_on_its_poll(monkeypatch):
+    assert failed_once_then_waited(wake=False, monkeypatch=monkeypatch) == []
