@@ -42,23 +42,29 @@ def from_row(model: type[_M], using: str, values: Sequence[Any]) -> _M:
     """An instance from its concrete columns (in :func:`concrete_fields` order) as a cursor on
     ``using`` returned them, each converted as the ORM converts it."""
     connection = connections[using]
-    converted = [
-        functools.reduce(lambda value, convert: convert(value, column, connection), converters, raw)
-        for raw, (column, converters) in zip(values, _converters(model, using), strict=True)
-    ]
+    converted = list(values)
+    # Only the columns that have converters (JSON, and timestamps on SQLite): a relay's batch
+    # builds hundreds of instances per claim, most of whose columns arrive ready.
+    for index, column, converters in _converters(model, using):
+        value = converted[index]
+        for convert in converters:
+            value = convert(value, column, connection)
+        converted[index] = value
     return model.from_db(using, attnames(model), converted)
 
 
 @functools.lru_cache(maxsize=32)
-def _converters(model: type[Model], using: str) -> list[tuple[Any, list[Any]]]:
-    """Per concrete column, the ORM's converters for values read on this connection."""
+def _converters(model: type[Model], using: str) -> list[tuple[int, Any, list[Any]]]:
+    """Per concrete column that has any, its position, and the ORM's converters for values
+    read on this connection."""
     connection = connections[using]
     table = model._meta.db_table
     result = []
-    for field in concrete_fields(model):
+    for index, field in enumerate(concrete_fields(model)):
         column = field.get_col(table)
         converters = connection.ops.get_db_converters(column) + column.get_db_converters(connection)
-        result.append((column, converters))
+        if converters:
+            result.append((index, column, converters))
     return result
 
 
