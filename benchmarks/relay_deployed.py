@@ -354,6 +354,11 @@ def main() -> None:
         "--fail-one-in", type=int, default=0, help="one event in N fails its first attempt"
     )
     parser.add_argument("--out", default=str(RESULTS), help="where the JSON goes ('' for none)")
+    parser.add_argument(
+        "--table-options",
+        default="",
+        help="storage parameters for the outbox table, e.g. autovacuum_vacuum_scale_factor=0.01",
+    )
     parser.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.floor_child:
@@ -366,6 +371,9 @@ def main() -> None:
         args.no_floor = True  # the floor has no retries: it would count the failures lost
     old_name = connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
     machine = host()
+    if args.table_options:
+        with connection.cursor() as cursor:
+            cursor.execute(f"ALTER TABLE {TABLE} SET ({args.table_options})")
     rows: list[dict[str, Any]] = []
     try:
         stage(max(args.events, args.burst), args.keys)

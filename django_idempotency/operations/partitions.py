@@ -46,6 +46,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import connections, models, router, transaction
+from django.db.models.sql import Query
 from django.utils.dateparse import parse_datetime
 
 from django_idempotency.conf import conf
@@ -517,8 +518,21 @@ def _index_statements(using: str, table: str, layout: Layout) -> list[str]:
         statements.append(
             f"CREATE INDEX {_quote(using, str(index.name))} ON {_quote(using, table)} ({columns})"
             + (f" INCLUDE ({included})" if included else "")
+            + (f" WHERE {_condition(using, layout, index)}" if index.condition else "")
         )
     return statements
+
+
+def _condition(using: str, layout: Layout, index: models.Index) -> str:
+    """A partial index's condition as SQL, its values inlined (as Django's schema editor does)."""
+    connection = connections[using]
+    assert index.condition is not None
+    query = Query(model=layout.model, alias_cols=False)
+    sql, params = query.build_where(index.condition).as_sql(
+        query.get_compiler(connection=connection), connection
+    )
+    editor = connection.schema_editor()
+    return str(sql % tuple(editor.quote_value(param) for param in params))
 
 
 def _next_id(cursor: Any, using: str, table: str, layout: Layout) -> int:

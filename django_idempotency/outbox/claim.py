@@ -25,18 +25,18 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import DatabaseError, connections, transaction
-from django.db.models import BigIntegerField, Exists, F, Func, OuterRef, Q, QuerySet
+from django.db.models import BigIntegerField, F, Func, OuterRef, Q, QuerySet
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Mod, Now
 
 from django_idempotency.db import dialect, postgresql, rows, session_locks, to_datetime
 from django_idempotency.db.querysets import (
     UNPUBLISHED,
-    BeforeInRelayOrder,
     Moment,
     OutboxEventQuerySet,
     OutboxStatus,
     backing_off_q,
+    earlier_unpublished,
     lease_free_q,
 )
 from django_idempotency.models import OutboxEvent
@@ -72,17 +72,14 @@ class _Claim:
     def candidates(self, now: Moment) -> OutboxEventQuerySet:
         """Due events in relay order that no earlier event with their key holds back."""
         events = self.outbox
-        same_key = events.filter(key=OuterRef("key"))
-        earlier = same_key.filter(BeforeInRelayOrder(OuterRef("transaction_id"), OuterRef("pk")))
         # An earlier event that this very claim could take does not block: it sorts first and
-        # lands in the same batch. One that is DEAD, backing off or leased elsewhere does. One
-        # subquery, on the key's index range of unpublished events: the planner cannot serve
-        # it from an index on the status alone, which reads every DEAD event of the outbox.
-        blocked = Exists(
-            earlier.filter(status__in=UNPUBLISHED).filter(
-                Q(status=OutboxStatus.DEAD) | backing_off_q(now) | Q(locked_until__gt=now)
-            )
+        # lands in the same batch. One that is DEAD, backing off or leased elsewhere does. On
+        # the key's index range of unpublished events: the planner cannot serve it from an
+        # index on the status alone, which reads every DEAD event of the outbox.
+        holding = events.filter(key=OuterRef("key"), status__in=UNPUBLISHED).filter(
+            Q(status=OutboxStatus.DEAD) | backing_off_q(now) | Q(locked_until__gt=now)
         )
+        blocked = earlier_unpublished(holding, OuterRef("pk"))
         return events.due(now).filter(Q(key="") | ~blocked).in_relay_order()
 
     def in_one_statement(self) -> tuple[list[OutboxEvent], DatabaseClock]:
@@ -147,11 +144,9 @@ class _Claim:
         def candidate(name: str) -> RawSQL:
             return RawSQL(f"{postgresql.CLAIM_CANDIDATE}.{name}", [])
 
-        outsider = (
-            self.outbox.filter(key=candidate("key"), status__in=UNPUBLISHED)
-            .filter(BeforeInRelayOrder(candidate("transaction_id"), candidate("id")))
-            .exclude(pk__in=RawSQL(f"SELECT id FROM {batch}", []))
-        )
+        outsider = self.outbox.filter(
+            key=candidate("key"), status__in=UNPUBLISHED, pk__lt=candidate("id")
+        ).exclude(pk__in=RawSQL(f"SELECT id FROM {batch}", []))
         return self.sql(outsider.values_list("pk"))
 
     def sql(self, queryset: QuerySet[Any, Any]) -> postgresql.Fragment:
@@ -240,11 +235,7 @@ class _Claim:
         )
         held = set(
             self.outbox.filter(pk__in=keyed)
-            .filter(
-                Exists(
-                    outsider.filter(BeforeInRelayOrder(OuterRef("transaction_id"), OuterRef("pk")))
-                )
-            )
+            .filter(earlier_unpublished(outsider, OuterRef("pk")))
             .values_list("pk", flat=True)
         )
         return [event for event in batch if event.pk not in held]

@@ -110,6 +110,32 @@ def test_the_migration_keeps_every_event_and_goes_back(partitioned):
         publish_committed(event_id=event.event_id)
 
 
+def unpublished_index() -> tuple[str, str]:
+    """The kind (``I``: partitioned, ``i``: plain) and definition of the index of unpublished
+    events by key (migration 0011)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT c.relkind, pg_get_indexdef(c.oid) FROM pg_class c WHERE c.relname = %s",
+            ["django_idem_outbox_unpub_idx"],
+        )
+        kind, definition = cursor.fetchone()
+    return kind, definition
+
+
+def test_the_partial_index_of_unpublished_events_keeps_its_condition_through_the_moves(
+    partitioned,
+):
+    condition = "WHERE ((status)::text = ANY ((ARRAY['PENDING'::character varying, 'DEAD'::"
+    for expected_kind, move in (("I", partitioned), ("i", partitions.unpartition_table)):
+        if move is partitioned:
+            move()
+        else:
+            move(layout=OUTBOX)
+        kind, definition = unpublished_index()
+        assert kind == expected_kind
+        assert "(key, id)" in definition and condition in definition, definition
+
+
 def test_partitioning_the_outbox_needs_its_setting(transactional_db):
     from django_idempotency.exceptions import IdempotencyConfigurationError
 

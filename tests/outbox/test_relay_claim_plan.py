@@ -32,9 +32,9 @@ KEYS = 100
 UNGUARDED_PIN = "SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true)"
 
 
-def fill(pending: int, dead: int = 0) -> None:
-    """``pending`` events on KEYS keys, interleaved, and ``dead`` DEAD events on keys of their
-    own (a route that failed for good), in one statement each."""
+def fill(pending: int, dead: int = 0, keys: int = KEYS) -> None:
+    """``pending`` events on ``keys`` keys, interleaved, and ``dead`` DEAD events on keys of
+    their own (a route that failed for good), in one statement each."""
     with connection.cursor() as cursor:
         for count, status, key in ((pending, "PENDING", "account-"), (dead, "DEAD", "dead-")):
             cursor.execute(
@@ -44,7 +44,7 @@ def fill(pending: int, dead: int = 0) -> None:
                 "jsonb_build_object('n', n), '{}', %s, 0, 0, now() - interval '1 minute', "
                 "now() - interval '1 minute', '' "
                 "FROM generate_series(1, %s) AS n",
-                [key, KEYS, status, count],
+                [key, keys, status, count],
             )
 
 
@@ -109,6 +109,15 @@ def test_a_claim_on_100000_pending_events_reads_a_batchs_worth(relay, statistics
     assert claimed == relay.batch_size
     # About 50 per event (the row, its lock, the per-key probes, the lease): a batch's worth,
     # not the backlog's.
+    assert touched < 100 * relay.batch_size, touched
+
+
+def test_a_claim_in_keys_25000_deep_reads_a_batchs_worth(relay):
+    """Two keys 25,000 events deep: each candidate's test of the events before it ends at the
+    candidate, instead of reading the rest of its key."""
+    fill(50_000, keys=2)
+    claimed, touched = buffers(relay)
+    assert claimed == relay.batch_size
     assert touched < 100 * relay.batch_size, touched
 
 
