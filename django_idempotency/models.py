@@ -309,14 +309,6 @@ class OutboxEvent(FailureColumns):
                 fields=["key", "status", "transaction_id", "id"],
                 name="django_idem_outbox_key_idx",
             ),
-            # The same, where the database has partial indexes (PostgreSQL, SQLite): the
-            # unpublished events of a key in id order, so "an earlier one" is a range that ends
-            # at the candidate, however deep the key.
-            models.Index(
-                fields=["key", "id"],
-                condition=models.Q(status__in=["PENDING", "DEAD"]),
-                name="django_idem_outbox_unpub_idx",
-            ),
             # The sweep of published events past OUTBOX_RETENTION_SECONDS.
             models.Index(fields=["status", "published_at"], name="django_idem_outbox_sweep_idx"),
             # Failure groups: grouping reads only the entries of failing events (the others are

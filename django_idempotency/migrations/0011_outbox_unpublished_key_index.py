@@ -1,23 +1,27 @@
-"""The unpublished events of each key in id order (PostgreSQL and SQLite; MariaDB and MySQL have
-no partial indexes and keep to ``django_idem_outbox_key_idx``): the relay's per-key order
-check reads a range that ends at the candidate, however deep the key (see
-``db.querysets.earlier_unpublished``)."""
+"""The unpublished outbox events of each key in id order, a partial index (``db/indexes.py``):
+the relay's per-key order check reads a range that ends at its candidate, however deep the key.
 
-from django.db import migrations, models
+PostgreSQL builds it concurrently (per partition on a partitioned outbox, as migration 0010
+does), so the migration is not atomic and stops no publish; SQLite at once. MariaDB and MySQL
+have no partial indexes: there the check keeps to ``django_idem_outbox_key_idx``. The index
+is the database's only: the migration state does not change.
+"""
+
+from django.db import migrations
+
+from django_idempotency.db.indexes import OUTBOX_UNPUBLISHED
+
+create_index = OUTBOX_UNPUBLISHED.create
+drop_index = OUTBOX_UNPUBLISHED.drop
 
 
 class Migration(migrations.Migration):
+    atomic = False
+
     dependencies = [
         ("django_idempotency", "0010_record_created_index"),
     ]
 
     operations = [
-        migrations.AddIndex(
-            model_name="outboxevent",
-            index=models.Index(
-                condition=models.Q(status__in=["PENDING", "DEAD"]),
-                fields=["key", "id"],
-                name="django_idem_outbox_unpub_idx",
-            ),
-        ),
+        migrations.RunPython(create_index, drop_index, hints={"model_name": "outboxevent"}),
     ]
