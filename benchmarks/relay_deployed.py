@@ -21,6 +21,10 @@ batch (``FOR UPDATE SKIP LOCKED``, no per-key order, no fencing, no seats), the 
 it, one statement acknowledges it; run by as many processes as the relays. Ours is reported as a
 ratio to it.
 
+With ``--fail-one-in N`` one event in N fails its first attempt; the floor is then the retries'
+(``retry_floor``): per-key order holds a key for each of its failures' backoffs, so no relay can
+drain faster than the key that waits longest allows.
+
 Every run is checked from what the publishers noted (one monotonic clock for every process on
 the machine): every event published, how many twice, and per key, whether an event went out
 before an earlier one of its key. Results go to ``benchmarks/results/relay.json``.
@@ -121,6 +125,20 @@ def staged(count: int) -> tuple[dict[str, int], dict[int, str]]:
     return {uuid.UUID(str(event_id)).hex: pk for pk, event_id, _ in rows}, {
         pk: key for pk, _, key in rows
     }
+
+
+def retry_floor(count: int, fail_one_in: int) -> float:
+    """With one event in ``fail_one_in`` failing once, the most events/s per-key order allows
+    on average, however fast the relay: each failure holds its key for its backoff (uniform over
+    ``[0, OUTBOX_BACKOFF_BASE_SECONDS]``, half of it on average), so the drain lasts at least as
+    long as the key with the most failures waits."""
+    ids, keys = staged(count)
+    failures: dict[str, int] = {}
+    for event_id, pk in ids.items():
+        if int(event_id, 16) % fail_one_in == 0:
+            failures[keys[pk]] = failures.get(keys[pk], 0) + 1
+    longest = max(failures.values(), default=0) * conf.OUTBOX_BACKOFF_BASE_SECONDS / 2
+    return count / longest if longest else float("inf")
 
 
 # --- processes ---------------------------------------------------------------------------------
@@ -404,6 +422,12 @@ def main() -> None:
                         else None
                     )
                     row["x_one_relay"] = round(row["events_per_second"] / one, 2)
+                    if args.fail_one_in:  # the floor is the retries' (see retry_floor)
+                        floor = {"events_per_second": round(retry_floor(count, args.fail_one_in))}
+                        row["x_floor"] = round(
+                            row["events_per_second"] / floor["events_per_second"], 2
+                        )
+                        row["retry_floor"] = floor["events_per_second"]
                     floor_text = f"{floor['events_per_second']:,}" if floor else "-"
                     rows.append(row)
                     print(
