@@ -58,6 +58,7 @@ django.setup()
 
 from django.db import connection, transaction  # noqa: E402
 
+from benchmarks.relay_checks import database_cpu_seconds, first_sends, reordered  # noqa: E402
 from benchmarks.relay_throughput import fill  # noqa: E402
 from django_idempotency.conf import conf  # noqa: E402
 from django_idempotency.db import session_locks  # noqa: E402
@@ -150,21 +151,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def database_cpu_seconds() -> float:
-    """CPU of PostgreSQL's processes, live ones and the ended children the postmaster counted."""
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if "(postgres)" in stat:
-            total += sum(int(value) for value in stat.rsplit(")", 1)[1].split()[11:15])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 @contextmanager
 def processes(
     commands: list[list[str]], env: dict[str, str]
@@ -249,17 +235,7 @@ def run(kind: str, publisher: str, workers: int, count: int, shape: str) -> dict
         )
         shares = sorted(len(log.read_text().splitlines()) for log in Path(folder).glob("*.log"))
     ids, keys = staged(count)
-    first: dict[int, int] = {}
-    for at, event_id in sent:
-        first.setdefault(ids[event_id], at)
-    reordered = 0
-    last_by_key: dict[str, int] = {}
-    for pk, _ in sorted(first.items(), key=lambda item: item[1]):
-        key = keys[pk]
-        if key and last_by_key.get(key, 0) > pk:
-            reordered += 1
-        if key:
-            last_by_key[key] = max(last_by_key.get(key, 0), pk)
+    first = first_sends((at, ids[event_id]) for at, event_id in sent)
     start = sent[0][0] if shape == "backlog" else committed
     elapsed = (sent[-1][0] - start) / 1e9
     return {
@@ -273,7 +249,7 @@ def run(kind: str, publisher: str, workers: int, count: int, shape: str) -> dict
         "shares": shares,
         "lost": count - len(first),
         "twice": len(sent) - len(first),
-        "reordered": reordered,
+        "reordered": reordered(first, keys),
         "process_cpu_seconds": round(cpu, 2),
         "postgresql_cpu_seconds": round(database_cpu, 2),
     }

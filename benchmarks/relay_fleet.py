@@ -45,6 +45,7 @@ from django.conf import settings  # noqa: E402
 from django.db import connection, transaction  # noqa: E402
 from django.test import override_settings  # noqa: E402
 
+from benchmarks.relay_checks import database_cpu_seconds, first_sends, reordered  # noqa: E402
 from benchmarks.relay_throughput import fill  # noqa: E402
 from django_idempotency.conf import conf  # noqa: E402
 from django_idempotency.db.querysets import OutboxStatus  # noqa: E402
@@ -252,25 +253,6 @@ def latency(relays: int, count: int, spacing: float) -> dict[str, float]:
     }
 
 
-def database_cpu_seconds() -> float:
-    """CPU of PostgreSQL's processes on this machine, from /proc: each live process's own, and
-    the postmaster's count of its ended children (the relays' backends end with the relays)."""
-    total = 0
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if "(postgres)" not in stat:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        total += sum(int(value) for value in fields[11:15])
-    return total / tick
-
-
 def run(
     relays: int,
     count: int,
@@ -322,17 +304,7 @@ def run(
     sent = sorted(
         (at, ids[uuid_text(event_id)]) for result in results for at, event_id in result["sent"]
     )
-    first_seen: dict[int, int] = {}
-    for at, pk in sent:
-        first_seen.setdefault(pk, at)
-    reordered = 0
-    last_by_key: dict[str, int] = {}
-    for pk, _ in sorted(first_seen.items(), key=lambda item: item[1]):
-        key = key_of[pk]
-        if key and last_by_key.get(key, 0) > pk:
-            reordered += 1
-        if key:
-            last_by_key[key] = max(last_by_key.get(key, 0), pk)
+    first_seen = first_sends(sent)
     return {
         "relays": relays,
         "events_per_second": count / elapsed,
@@ -340,7 +312,7 @@ def run(
         "empty_passes": sum(result["empty_passes"] for result in results),
         "lost": count - len(first_seen),
         "duplicates": len(sent) - len(first_seen),
-        "reordered": reordered,
+        "reordered": reordered(first_seen, key_of),
         "relay_cpu": sum(result["cpu"] for result in results),
         "database_cpu": database_cpu,
         "elapsed": elapsed,
