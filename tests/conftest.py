@@ -107,8 +107,9 @@ class LongestFirst:
             files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
 
         def cost(tests: list[pytest.Item]) -> tuple[int, int]:
-            module = tests[0].module.__name__ if tests[0].module is not None else ""
-            return (-SECONDS.get(module.removeprefix("tests."), 0), -len(tests))
+            module = getattr(tests[0], "module", None)  # None for items that are no functions
+            name = module.__name__.removeprefix("tests.") if module is not None else ""
+            return (-SECONDS.get(name, 0), -len(tests))
 
         items[:] = [item for tests in sorted(files.values(), key=cost) for item in tests]
 
