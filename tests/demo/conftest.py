@@ -137,13 +137,12 @@ def broker_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerSta
             beat_dir = workdir / "beat"  # compose gives beat a fresh /tmp as its working directory
             beat_dir.mkdir()
             with (
-                stack.running(stack.command("worker"), server.env, stack.ROOT, worker_log),
+                stack.running(
+                    stack.command("worker"), server.env, stack.ROOT, worker_log
+                ) as worker,
                 stack.running(stack.command("beat"), server.env, beat_dir, workdir / "beat.log"),
             ):
-                stack.wait_for(
-                    lambda: stack.healthy("worker", server.env, stack.ROOT),
-                    "the worker's healthcheck",
-                )
+                stack.wait_for_worker(worker, worker_log, server.env, stack.ROOT)
                 yield BrokerStack(server, worker_log)
     finally:
         stack.delete_queue(amqp_url, name)

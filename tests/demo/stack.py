@@ -88,6 +88,19 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 90.0) ->
         time.sleep(0.2)
 
 
+def wait_for_worker(
+    process: subprocess.Popen[bytes], log: Path, env: dict[str, str], cwd: Path
+) -> None:
+    """Until the worker's healthcheck passes, run only once the worker has logged that it is
+    ready: before that each run is a Python start-up and a ``celery inspect ping`` that waits its
+    whole 5 s timeout for an answer that cannot come."""
+    wait_for(
+        lambda: process.poll() is not None or b" ready." in log.read_bytes(), "the worker's start"
+    )
+    assert process.poll() is None, log.read_text(errors="replace")[-3000:]
+    wait_for(lambda: healthy("worker", env, cwd), "the worker's healthcheck")
+
+
 @contextlib.contextmanager
 def running(
     argv: list[str], env: dict[str, str], cwd: Path, log: Path

@@ -137,10 +137,9 @@ def test_the_worker_runs_and_its_healthcheck_tells_when_it_stops(tmp_path: Path)
         CELERY_WORKER_HOSTNAME=f"celery@{name}",
     )
     try:
-        with stack.running(stack.command("worker"), env, stack.ROOT, tmp_path / "worker.log"):
-            stack.wait_for(
-                lambda: stack.healthy("worker", env, stack.ROOT), "the worker's healthcheck"
-            )
+        log = tmp_path / "worker.log"
+        with stack.running(stack.command("worker"), env, stack.ROOT, log) as worker:
+            stack.wait_for_worker(worker, log, env, stack.ROOT)
         assert not stack.healthy("worker", env, stack.ROOT)
     finally:
         stack.delete_queue(amqp_url, name)

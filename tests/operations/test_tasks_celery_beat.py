@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -330,17 +331,31 @@ print(task.interval.every, task.interval.period, task.expire_seconds)
 """
 
 
-@pytest.fixture
-def beat_project(tmp_path: Path) -> dict[str, str]:
-    """The environment of a project with django-celery-beat, on a fresh SQLite database."""
-    env = {
+def beat_environment(database: Path) -> dict[str, str]:
+    """The environment of a project with django-celery-beat on the SQLite file ``database``."""
+    return {
         "DJANGO_SETTINGS_MODULE": "tests.support.settings_beat",
         "TEST_DATABASE": "sqlite",
-        "TEST_DATABASE_NAME": str(tmp_path / "beat.sqlite3"),
+        "TEST_DATABASE_NAME": str(database),
         "PYTHONPATH": str(REPO_ROOT),
     }
-    manage(env, "migrate", "django_celery_beat", "--verbosity", "0")
-    return env
+
+
+@pytest.fixture(scope="module")
+def migrated_beat_database(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """django-celery-beat's tables, migrated once for the module: each test copies the file
+    rather than paying a ``migrate`` process of its own."""
+    database = tmp_path_factory.mktemp("beat-template") / "beat.sqlite3"
+    manage(beat_environment(database), "migrate", "django_celery_beat", "--verbosity", "0")
+    return database
+
+
+@pytest.fixture
+def beat_project(tmp_path: Path, migrated_beat_database: Path) -> dict[str, str]:
+    """The environment of a project with django-celery-beat, on a fresh SQLite database."""
+    for path in migrated_beat_database.parent.glob(f"{migrated_beat_database.name}*"):
+        shutil.copyfile(path, tmp_path / path.name)  # with a -wal file, if one was left
+    return beat_environment(tmp_path / migrated_beat_database.name)
 
 
 def manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

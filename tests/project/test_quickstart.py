@@ -10,8 +10,9 @@ blank line between them (invisible in the rendered docs):
 ``<!-- quickstart: write <path> -->``        write the block to the file
 ``<!-- quickstart: append <path> -->``       append the block to the file
 ``<!-- quickstart: serve -->``               start the block's server and wait until it answers;
-                                              it is started again after each later step that
-                                              writes a file, as runserver's autoreloader would
+                                              it is started again after later steps that write
+                                              files, as runserver's autoreloader would (once
+                                              per run of such steps, before the next step)
 ``<!-- quickstart: start NAME ready="..." -->``  start the block's command in the background as
                                               NAME (stopping the one of that name first, as
                                               Ctrl-C would) and wait for ``ready`` in its output
@@ -94,6 +95,9 @@ class Reader:
     #: The command of the last ``serve`` step and where it ran, to start it again after a file
     #: changed.
     serving: tuple[str, Path] | None = None
+    #: Whether a file changed since the server last started: it starts again before the next
+    #: step that is not a write (see ``follow``).
+    stale: bool = False
     #: Processes started by ``start`` steps, and their output files, by name.
     background: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
@@ -132,6 +136,7 @@ class Reader:
         self.servers.clear()
         where = where or self.cwd
         self.serving = (command, where)
+        self.stale = False
         with (where / "server.log").open("ab") as log:
             server = subprocess.Popen(
                 ["bash", "-c", f"exec {self.literal(command)} --noreload"],
@@ -215,8 +220,17 @@ def reader_in(workdir: Path) -> Iterator[Reader]:
 
 
 def follow(page_steps: list[Step], reader: Reader, page: Path) -> None:
-    """Do what each marked block says, in order, as the reader."""
+    """Do what each marked block says, in order, as the reader.
+
+    After a write the server starts again (runserver's autoreloader would) before the next step
+    that is not a write, not after each write: the reader meets the server only through later
+    steps, and the autoreloader, which survives a half-edited project, serves them the code of
+    the last write. Each restart costs a Django start-up, and the how-tos write most of their
+    files two to four at a time (half the restarts)."""
     for step in page_steps:
+        if step.action not in ("write", "append", "serve") and reader.stale:
+            assert reader.serving is not None
+            reader.serve(*reader.serving)
         if step.action == "run":
             output = reader.shell(step.body)
             if "expect" in step.options and "log" in step.options:
@@ -231,7 +245,7 @@ def follow(page_steps: list[Step], reader: Reader, page: Path) -> None:
             with target.open(mode) as file:
                 file.write(("\n" if mode == "a" else "") + reader.literal(step.body) + "\n")
             if reader.serving is not None:  # runserver's autoreloader would restart it
-                reader.serve(*reader.serving)
+                reader.stale = True
         elif step.action == "serve":
             reader.serve(step.body)
         elif step.action == "start":
@@ -245,6 +259,9 @@ def follow(page_steps: list[Step], reader: Reader, page: Path) -> None:
                 assert headers.get("idempotent-replay") == step.options["replay"], step
         else:
             pytest.fail(f"unknown step {step.action!r} in {page}")
+    if reader.stale:  # the page ends with a write: it still has to serve
+        assert reader.serving is not None
+        reader.serve(*reader.serving)
 
 
 def test_the_page_marks_every_step_the_test_needs() -> None:
