@@ -318,6 +318,8 @@ def host() -> dict[str, Any]:
     with connection.cursor() as cursor:
         cursor.execute("SHOW server_version")
         server = cursor.fetchone()[0]
+        cursor.execute("SHOW autovacuum")
+        autovacuum = cursor.fetchone()[0]
     model = next(
         (
             line.split(":", 1)[1].strip()
@@ -331,6 +333,7 @@ def host() -> dict[str, Any]:
         "cpu": model,
         "python": platform.python_version(),
         "postgresql": server,
+        "autovacuum": autovacuum,
         "database_and_broker": "on the same host",
     }
 
