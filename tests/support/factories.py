@@ -175,11 +175,13 @@ def held_elsewhere(ident: Identity) -> Iterator[Any]:
     from django_idempotency.request import lifecycle
 
     claimed: list[Any] = []
+    sessions: list[int] = []
     done = threading.Event()
     ready = threading.Event()
 
     def hold() -> None:
         try:
+            sessions.extend(_session_id(connection))
             claimed.append(lifecycle.claim(ident))
             ready.set()
             done.wait(60)
@@ -195,3 +197,41 @@ def held_elsewhere(ident: Identity) -> Iterator[Any]:
     finally:
         done.set()
         thread.join(30)
+        # The server ends the session, and lets go of its locks, a moment after the client
+        # closed it: the block ends once the other request's session is gone.
+        for session in sessions:
+            _wait_until_gone(session)
+
+
+def _session_id(connection: Any) -> list[int]:
+    """The server's id of ``connection``'s session (none on SQLite)."""
+    queries = {"postgresql": "SELECT pg_backend_pid()", "mysql": "SELECT CONNECTION_ID()"}
+    if connection.vendor not in queries:
+        return []
+    with connection.cursor() as cursor:
+        cursor.execute(queries[connection.vendor])
+        return [int(cursor.fetchone()[0])]
+
+
+def _wait_until_gone(session: int) -> None:
+    """Wait (10 s at most) until the server no longer lists ``session``."""
+    import time
+
+    from django.db import connection
+
+    query = (
+        "SELECT 1 FROM pg_stat_activity WHERE pid = %s"
+        if connection.vendor == "postgresql"
+        else "SELECT 1 FROM information_schema.processlist WHERE id = %s"
+    )
+    deadline = time.monotonic() + 10
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            if connection.vendor == "postgresql":
+                # Inside a transaction PostgreSQL keeps the first list it read: read afresh.
+                cursor.execute("SELECT pg_stat_clear_snapshot()")
+            cursor.execute(query, [session])
+            if cursor.fetchone() is None:
+                return
+            time.sleep(0.01)
+    raise AssertionError(f"the other request's session {session} did not end")
