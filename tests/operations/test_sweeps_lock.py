@@ -19,6 +19,7 @@ from django_idempotency import signals
 from django_idempotency.db import session_locks
 from django_idempotency.models import ProcessedMessage
 from django_idempotency.operations.sweeps import sweep_processed_messages
+from tests.support.factories import session_id, wait_until_session_ends
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -100,10 +101,12 @@ def test_other_sweeps_are_not_held_back(old_markers: None, first_sweep_held: Any
 def test_a_sweep_whose_session_ended_holds_nothing(old_markers: None) -> None:
     """A worker killed mid-sweep: its connection closes, and the lock goes with it."""
     started = threading.Event()
+    sessions: list[int] = []
 
     def dies_holding_the_lock() -> None:
         with session_locks.sweep("default", "processed_messages") as held:
             assert held
+            sessions.extend(session_id(connection))
             started.set()
             connection.close()  # the session ends without letting go
         assert connection.connection is None  # and nothing opened another to let go
@@ -112,4 +115,6 @@ def test_a_sweep_whose_session_ended_holds_nothing(old_markers: None) -> None:
     thread.start()
     thread.join(30)
     assert started.is_set()
+    for session in sessions:  # the server lets go a moment after the client closed
+        wait_until_session_ends(session)
     assert sweep_processed_messages() == OLD

@@ -181,7 +181,7 @@ def held_elsewhere(ident: Identity) -> Iterator[Any]:
 
     def hold() -> None:
         try:
-            sessions.extend(_session_id(connection))
+            sessions.extend(session_id(connection))
             claimed.append(lifecycle.claim(ident))
             ready.set()
             done.wait(60)
@@ -200,10 +200,10 @@ def held_elsewhere(ident: Identity) -> Iterator[Any]:
         # The server ends the session, and lets go of its locks, a moment after the client
         # closed it: the block ends once the other request's session is gone.
         for session in sessions:
-            _wait_until_gone(session)
+            wait_until_session_ends(session)
 
 
-def _session_id(connection: Any) -> list[int]:
+def session_id(connection: Any) -> list[int]:
     """The server's id of ``connection``'s session (none on SQLite)."""
     queries = {"postgresql": "SELECT pg_backend_pid()", "mysql": "SELECT CONNECTION_ID()"}
     if connection.vendor not in queries:
@@ -213,7 +213,7 @@ def _session_id(connection: Any) -> list[int]:
         return [int(cursor.fetchone()[0])]
 
 
-def _wait_until_gone(session: int) -> None:
+def wait_until_session_ends(session: int) -> None:
     """Wait (10 s at most) until the server no longer lists ``session``."""
     import time
 
