@@ -189,17 +189,24 @@ class Relay:
             self._outbox(), events, outcomes, clock, self.rng, wake=self._not_alone()
         )
         announce(acknowledged, self._sender.publisher_names, self._route_failures)
+        self._forget_past_retries()
         for failure in acknowledged.failures:
             if failure.event.status == OutboxStatus.PENDING:
                 delay = (failure.event.next_attempt_at - acknowledged.now).total_seconds()
                 heapq.heappush(self._retries_due, time.monotonic() + max(delay, 0.0))
         return acknowledged.stats
 
-    def _sleep_at_most(self, poll: float) -> float:
-        """The poll, or less: until the first of this relay's failed events falls due again."""
+    def _forget_past_retries(self) -> float:
+        """Drop the retries that fell due (so the heap holds only those still waiting, however
+        long the relay lives); the monotonic time now."""
         now = time.monotonic()
         while self._retries_due and self._retries_due[0] <= now:
             heapq.heappop(self._retries_due)
+        return now
+
+    def _sleep_at_most(self, poll: float) -> float:
+        """The poll, or less: until the first of this relay's failed events falls due again."""
+        now = self._forget_past_retries()
         if not self._retries_due:
             return poll
         return min(poll, self._retries_due[0] - now)
