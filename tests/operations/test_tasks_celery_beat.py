@@ -113,12 +113,14 @@ def consumers(amqp_url: str, queue: str) -> int:
 
 
 def runs(work: Path) -> list[list[str]]:
-    """``[event, task name, task id, detail]`` for every task start, end and expiry noted."""
-    return [
+    """``[event, task name, task id, detail]`` for every task start, end and expiry noted, in the
+    order they happened across every worker process (pids do not sort in time)."""
+    noted = [
         line.split()
-        for path in sorted(work.glob("runs-*.log"))
+        for path in work.glob("runs-*.log")
         for line in path.read_text().splitlines()
     ]
+    return [words[1:] for words in sorted(noted, key=lambda words: int(words[0]))]
 
 
 def send(amqp_url: str, queue: str, task: str, expires: float | None = None, **kwargs: Any) -> str:
