@@ -310,6 +310,7 @@ def claim(
                 raise
             raise answer from exc
     if isinstance(decision, Replay) and not decision.handed_off:
+        redis_copy.note_claim(replayed=True)
         # A key retried once is likely retried again: its next retries come from memory or
         # Redis. Copied to Redis here, at its first replay, not at its completion: most keys
         # are never retried, and their requests then pay no Redis write and take no memory.
@@ -323,6 +324,8 @@ def claim(
             )
         else:
             _remember_replay(identity, decision, cached is None)
+    else:
+        redis_copy.note_claim(replayed=False)
     instrumentation.announce(identity, decision)
     return decision
 

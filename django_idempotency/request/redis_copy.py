@@ -13,6 +13,12 @@ Each command names one key (``GET``, ``SET``, ``DEL``), under a name hash-tagged
 (:func:`redis_key`), so the Redis copy works unchanged on Redis Cluster
 (:class:`django_idempotency.request.redis_cluster.ClusterConnectionFactory`).
 
+The copy is read only while it pays (:func:`note_claim`): a read that misses costs a round trip
+and saves nothing, and on traffic that is mostly first-time keys nearly every read misses. So a
+process reads Redis before the database while at least :data:`READ_WHILE_REPLAYS_AT_LEAST` of
+its recent claims were replays; below that it goes to the database at once, whose claim decides
+anyway, and reads Redis again as soon as retries come back (the database's replays count too).
+
 Any Redis error is logged, sent as :data:`~django_idempotency.signals.redis_copy_failed` and
 answered by the database instead. The process then leaves Redis alone for
 ``CACHE_RETRY_SECONDS``, so a Redis that hangs costs one timeout, not one per request; copies are
@@ -42,7 +48,17 @@ from django_idempotency.core.types import Identity, Replay, StoredResponse
 from django_idempotency.exceptions import IdempotencyConfigurationError
 from django_idempotency.request import instrumentation
 
-__all__ = ["REDIS_ERRORS", "enabled", "forget", "hash_tag", "lookup", "redis_key", "remember"]
+__all__ = [
+    "READ_WHILE_REPLAYS_AT_LEAST",
+    "REDIS_ERRORS",
+    "enabled",
+    "forget",
+    "hash_tag",
+    "lookup",
+    "note_claim",
+    "redis_key",
+    "remember",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +91,15 @@ _COPY = b"C"
 
 #: Per cache alias, when this process may use Redis again after an error (monotonic clock).
 _resting_until: dict[str, float] = {}
+
+#: The share of recent claims that must have been replays for a claim to read Redis first. A hit
+#: saves a database statement, about twice what a miss costs, so reading pays from about a third
+#: of claims on; a quarter leans towards reading.
+READ_WHILE_REPLAYS_AT_LEAST = 0.25
+#: How many recent claims the share is taken over (the weight of each in a moving average).
+_CLAIMS_WEIGHED = 64
+#: This process's moving share of claims that ended in a replay; it starts as if all had.
+_replay_share = 1.0
 
 
 def enabled() -> bool:
@@ -157,9 +182,10 @@ def _redis_class() -> type:
 
 @receiver(setting_changed, dispatch_uid="django_idempotency.request.redis_copy.settings")
 def _settings_changed(setting: str, **kwargs: Any) -> None:
-    global _generation
+    global _generation, _replay_share
     if setting in ("CACHES", "IDEMPOTENCY"):
         _generation += 1
+        _replay_share = 1.0
 
 
 def redis_key(scope: str, key: str) -> str:
@@ -184,9 +210,18 @@ def hash_tag(scope: str, key: str) -> str:
     return f"{scope_digest}:{record_digest}"
 
 
+def note_claim(*, replayed: bool) -> None:
+    """Count a claim that reached Redis or the database (none kept in memory): whether it ended
+    in a replay. Threads may lose an update to each other; the share is a hint, never a
+    decision."""
+    global _replay_share
+    _replay_share += (float(replayed) - _replay_share) / _CLAIMS_WEIGHED
+
+
 def lookup(identity: Identity) -> Replay | None:
-    """The completed response for exactly this request, or None to ask the database."""
-    if not _in_use():
+    """The completed response for exactly this request, or None to ask the database (also
+    while too few claims are replays for a read to pay: :func:`note_claim`)."""
+    if _replay_share < READ_WHILE_REPLAYS_AT_LEAST or not _in_use():
         return None
     try:
         value = _client().get(redis_key(identity.scope, identity.key))

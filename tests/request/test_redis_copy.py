@@ -155,6 +155,58 @@ def test_one_redis_command_before_the_view_and_none_after_it(redis, client, key,
         assert sent == commands
 
 
+def recorded_commands(monkeypatch: Any) -> list[str]:
+    """The names of the Redis commands this thread sends from now on."""
+    sent: list[str] = []
+    sender = redis_copy._client()
+    send = sender.execute_command
+
+    def recording(*args: Any, **options: Any) -> Any:
+        sent.append(str(args[0]))
+        return send(*args, **options)
+
+    monkeypatch.setattr(sender, "execute_command", recording)
+    return sent
+
+
+def test_on_new_keys_only_the_copy_is_not_read_and_it_is_read_again_when_retries_come_back(
+    redis, client, key, monkeypatch, django_assert_num_queries
+):
+    """A read that misses pays a round trip for nothing: a process whose claims are nearly all
+    new keys goes to the database at once. Replays, the database's included, bring the reads
+    back, and the copy then answers without a query."""
+    sent = recorded_commands(monkeypatch)
+    completed = [identity(f"{key}-{number}") for number in range(100)]
+    for new in completed:
+        run_to_completion(lifecycle.claim(new))
+    assert sent.count("GET") < 100  # the first claims read it, the later ones no longer do
+    sent.clear()
+    assert post(client, key)["Idempotent-Replay"] == "false"
+    assert sent == []  # first time: the database's claim alone, no GET that would miss
+    replays_before_reading = 0
+    for retried in completed:
+        sent.clear()
+        assert isinstance(lifecycle.claim(retried), Replay)
+        if "GET" in sent:
+            break
+        assert sent == ["SET"]  # answered by the database, and copied for the next retry
+        replays_before_reading += 1
+    assert 0 < replays_before_reading <= 10
+    for retried in completed[:replays_before_reading]:
+        with django_assert_num_queries(0):
+            assert isinstance(lifecycle.claim(retried), Replay)
+    assert post(client, key)["Idempotent-Replay"] == "true"
+
+
+def test_control_a_process_that_starts_reading_reads_for_its_first_claims(redis, monkeypatch):
+    """Without the claims before it, a new key's claim reads the copy (the test above proves
+    the reads stop because of those claims, not for some other reason)."""
+    sent = recorded_commands(monkeypatch)
+    for number in range(5):
+        run_to_completion(lifecycle.claim(identity(f"fresh-{number}-{uuid.uuid4()}")))
+    assert sent == ["GET"] * 5
+
+
 def test_copy_expires_no_later_than_the_record(redis, key):
     complete_and_retry(identity(key))
     copy_ms = redis.pttl(redis_copy.redis_key("tenant", key))
