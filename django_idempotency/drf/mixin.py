@@ -33,7 +33,7 @@ from django_idempotency.request.fingerprint import (
 )
 from django_idempotency.request.responses import PROBLEM_CONTENT_TYPE
 from django_idempotency.request.run_step import release
-from django_idempotency.request.scopes import resolve_scope
+from django_idempotency.request.scopes import credentials_scope, resolve_scope
 
 if TYPE_CHECKING:
     _Base = APIView
@@ -67,6 +67,12 @@ class IdempotencyMixin(_Base):
     #: The view hands its work to a worker with ``hand_off()`` and answers 202: a request
     #: without a key is refused 400 whatever ``KEY_REQUIRED`` says.
     idempotency_long_running: bool = False
+    #: Scope an API client's keys by a keyed digest of its credentials (``CREDENTIAL_HEADERS``),
+    #: as ``IdempotencyMiddleware`` does, instead of by DRF's user: the request alone then tells
+    #: its scope, and a replay is sent before DRF's authentication, permissions and throttles.
+    #: A new request is still authenticated and checked before its handler runs. Requests
+    #: without credentials, or with a Django session user, keep DRF's user.
+    idempotency_scope_by_credentials: bool = False
 
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
@@ -107,9 +113,10 @@ class IdempotencyMixin(_Base):
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         """Authenticate, claim the key, then DRF's own checks; a replay skips those checks.
 
-        Authentication comes first because it decides the key's scope. A replay is the caller's
-        own stored answer: it is sent at once, without DRF's permission and throttle checks
-        (``idempotency_recheck_replays = True`` runs them first). A request
+        Authentication comes first because it decides the key's scope, unless the scope is the
+        client's credentials (``idempotency_scope_by_credentials``): then a replay skips it too.
+        A replay is the caller's own stored answer: it is sent at once, without DRF's permission
+        and throttle checks (``idempotency_recheck_replays = True`` runs them first). A request
         that claimed its key and is then refused by a permission or a throttle gives the key
         back, so nothing is stored for it.
         """
@@ -128,10 +135,19 @@ class IdempotencyMixin(_Base):
         # Read the body now, before an authentication or permission class can consume the
         # stream, so the fingerprint sees exactly what the handler will.
         prepare_body(request._request)
-        self.perform_authentication(request)
+        early_scope = (
+            credentials_scope(request._request) if self.idempotency_scope_by_credentials else None
+        )
+        if early_scope is None:
+            self.perform_authentication(request)
+        scope = (
+            partial(self.get_idempotency_scope, request)
+            if early_scope is None
+            else partial(str, early_scope)
+        )
         decision = lifecycle.admit(
             request._request,
-            scope=partial(self.get_idempotency_scope, request),
+            scope=scope,
             fingerprint=partial(self.get_idempotency_fingerprint, request),
             options=options,
             screen=partial(self.screen_duplicate, request),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from django.http import HttpRequest
 from django.utils.crypto import salted_hmac
 
 from django_idempotency.conf import conf
@@ -21,7 +22,7 @@ from django_idempotency.core.types import MAX_SCOPE_LENGTH
 from django_idempotency.exceptions import CredentialsNotScoped
 from django_idempotency.request.keys import header
 
-__all__ = ["MAX_SCOPE_LENGTH", "resolve_scope", "user_scope"]
+__all__ = ["MAX_SCOPE_LENGTH", "credentials_scope", "resolve_scope", "user_scope"]
 
 #: Salt of the credentials digest; the key is derived from SECRET_KEY, so the digest cannot be
 #: recomputed (or its credentials guessed) from the database alone.
@@ -33,13 +34,34 @@ def user_scope(request: Any) -> str:
     user = getattr(request, "user", None)
     if user is not None and user.is_authenticated:
         return f"user:{user.pk}"
-    credentials = [header(request, name) or "" for name in conf.CREDENTIAL_HEADERS]
-    if any(credentials):
+    credentials = _credentials(request)
+    if credentials is not None:
         if conf.CREDENTIAL_SCOPE == "refuse":
             raise CredentialsNotScoped()
-        digest = salted_hmac(_CREDENTIALS_SALT, "\n".join(credentials), algorithm="sha256")
-        return f"credentials:{digest.hexdigest()[:40]}"
+        return _digest_scope(credentials)
     return conf.ANONYMOUS_SCOPE
+
+
+def credentials_scope(request: HttpRequest) -> str | None:
+    """The scope :func:`user_scope` gives an API client before any view has authenticated it:
+    the digest of its credentials, from the request alone. None for a request without
+    credentials, one whose Django user is authenticated (a session), or with
+    ``CREDENTIAL_SCOPE = "refuse"``."""
+    user = getattr(request, "user", None)
+    if (user is not None and user.is_authenticated) or conf.CREDENTIAL_SCOPE == "refuse":
+        return None
+    credentials = _credentials(request)
+    return None if credentials is None else _digest_scope(credentials)
+
+
+def _credentials(request: Any) -> list[str] | None:
+    credentials = [header(request, name) or "" for name in conf.CREDENTIAL_HEADERS]
+    return credentials if any(credentials) else None
+
+
+def _digest_scope(credentials: list[str]) -> str:
+    digest = salted_hmac(_CREDENTIALS_SALT, "\n".join(credentials), algorithm="sha256")
+    return f"credentials:{digest.hexdigest()[:40]}"
 
 
 def resolve_scope(request: Any) -> str:

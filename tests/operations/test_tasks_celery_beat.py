@@ -116,9 +116,7 @@ def runs(work: Path) -> list[list[str]]:
     """``[event, task name, task id, detail]`` for every task start, end and expiry noted, in the
     order they happened across every worker process (pids do not sort in time)."""
     noted = [
-        line.split()
-        for path in work.glob("runs-*.log")
-        for line in path.read_text().splitlines()
+        line.split() for path in work.glob("runs-*.log") for line in path.read_text().splitlines()
     ]
     return [words[1:] for words in sorted(noted, key=lambda words: int(words[0]))]
 

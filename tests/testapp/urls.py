@@ -16,6 +16,8 @@ urlpatterns = [
     path("api/other-widget/", views.WidgetAPIView.as_view()),
     path("api/auth-widget/", views.AuthenticatedWidgetView.as_view()),
     path("api/throttled-widget/", views.ThrottledWidgetView.as_view()),
+    path("api/token-widget/", views.TokenWidgetView.as_view()),
+    path("api/credential-widget/", views.CredentialScopedWidgetView.as_view()),
     path("api/heartbeat-widget/", views.HeartbeatWidgetView.as_view()),
     path("api/function/", views.api_function_view),
     path("plain/function/", views.plain_function_view),

@@ -15,6 +15,7 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from rest_framework import serializers, viewsets
+from rest_framework.authentication import TokenAuthentication
 from rest_framework.decorators import api_view
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
@@ -128,6 +129,29 @@ class ThrottledWidgetView(WidgetAPIView):
         throttle.rate = "1/hour"
         throttle.num_requests, throttle.duration = throttle.parse_rate(throttle.rate)
         return [throttle]
+
+
+class CountingTokenAuthentication(TokenAuthentication):
+    """DRF's token authentication, counting the requests it authenticated."""
+
+    calls = 0
+
+    def authenticate(self, request: Any) -> Any:
+        CountingTokenAuthentication.calls += 1
+        return super().authenticate(request)
+
+
+class TokenWidgetView(WidgetAPIView):
+    """Token clients only, their keys scoped by DRF's user."""
+
+    authentication_classes = [CountingTokenAuthentication]
+    permission_classes = [IsAuthenticated]
+
+
+class CredentialScopedWidgetView(TokenWidgetView):
+    """Token clients only, their keys scoped by their credentials: replays before DRF."""
+
+    idempotency_scope_by_credentials = True
 
 
 class HeartbeatWidgetView(WidgetAPIView):

@@ -1,0 +1,130 @@
+"""``IdempotencyMixin.idempotency_scope_by_credentials``: a token client's keys scoped by a keyed
+digest of its credentials, as behind the middleware, so that its replays are answered before
+DRF's authentication, permissions and throttles; new requests are still checked before they
+run, and the scope is exact: the same credentials, never only the same user."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import override_settings
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.request import memory
+from tests.request.test_redis_copy import configure
+from tests.support.factories import UserFactory
+from tests.testapp.models import Widget
+from tests.testapp.views import CountingTokenAuthentication
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SCOPED = "/api/credential-widget/"
+BY_USER = "/api/token-widget/"
+
+
+def token_for(user: Any) -> str:
+    return f"Token {Token.objects.create(user=user).key}"
+
+
+def post(path: str, key: str, authorization: str | None, name: str = "w") -> Any:
+    headers = {} if authorization is None else {"HTTP_AUTHORIZATION": authorization}
+    return APIClient().post(
+        path, {"name": name}, format="json", HTTP_IDEMPOTENCY_KEY=key, **headers
+    )
+
+
+def authentications() -> int:
+    return CountingTokenAuthentication.calls
+
+
+def test_a_replay_is_answered_before_drfs_authentication(key, django_assert_num_queries):
+    token = token_for(UserFactory())
+    first = post(SCOPED, key, token)
+    assert first.status_code == 201, first.content
+    before = authentications()
+    with django_assert_num_queries(1):  # the claim's read; no token lookup
+        retry = post(SCOPED, key, token)
+    assert retry["Idempotent-Replay"] == "true"
+    assert retry.content == first.content
+    assert authentications() == before
+    assert Widget.objects.count() == 1
+    assert IdempotencyRecord.objects.get(key=key).scope.startswith("credentials:")
+
+
+def test_control_scoped_by_the_user_a_replay_authenticates_first(key):
+    token = token_for(UserFactory())
+    assert post(BY_USER, key, token).status_code == 201
+    before = authentications()
+    assert post(BY_USER, key, token)["Idempotent-Replay"] == "true"
+    assert authentications() == before + 1
+    assert IdempotencyRecord.objects.get(key=key).scope.startswith("user:")
+
+
+def test_a_new_request_is_authenticated_and_refused_before_it_runs_and_frees_its_key(key):
+    refused = post(SCOPED, key, "Token not-a-token")
+    assert refused.status_code == 401
+    assert post(SCOPED, key, None).status_code == 401  # no credentials: DRF's user, none here
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    assert Widget.objects.count() == 0
+    token = token_for(UserFactory())
+    assert post(SCOPED, key, token).status_code == 201
+    assert post(SCOPED, key, token)["Idempotent-Replay"] == "true"
+
+
+def test_the_scope_is_the_credentials_never_only_the_user(key):
+    """Another client's credentials run their own request, and so do the same user's new
+    credentials: a replay goes only to the credentials that made it (revoked since, too: a
+    replay is their own stored answer)."""
+    user = UserFactory()
+    first = token_for(user)
+    assert post(SCOPED, key, first, name="a").status_code == 201
+    response = post(SCOPED, key, token_for(UserFactory()), name="a")
+    assert (response.status_code, response["Idempotent-Replay"]) == (201, "false")
+    Token.objects.filter(user=user).delete()
+    response = post(SCOPED, key, token_for(user), name="a")
+    assert (response.status_code, response["Idempotent-Replay"]) == (201, "false")
+    replay = post(SCOPED, key, first, name="a")
+    assert replay.status_code == 201, replay.content
+    assert replay["Idempotent-Replay"] == "true"
+    assert Widget.objects.count() == 3
+
+
+@pytest.mark.urls("tests.support.status_urls")
+def test_the_status_view_finds_the_key_by_the_same_token(key):
+    token = token_for(UserFactory())
+    assert post(SCOPED, key, token).status_code == 201
+    status = APIClient().get(f"/keys/idempotency-keys/{key}", HTTP_AUTHORIZATION=token)
+    assert status.status_code == 200, status.content
+    assert status.json()["status"] == "completed"
+
+
+def test_with_redis_and_memory_replays_skip_drf_and_the_database(
+    settings, redis_url, key, django_assert_num_queries
+):
+    configure(settings, redis_url, LOCAL_REPLAY_SECONDS=5)
+    token = token_for(UserFactory())
+    assert post(SCOPED, key, token).status_code == 201
+    memory.clear()  # the completion kept the answer in memory; the database's replay copies it
+    before = authentications()
+    with django_assert_num_queries(1):
+        assert post(SCOPED, key, token)["Idempotent-Replay"] == "true"  # to Redis and memory
+    with django_assert_num_queries(0):
+        assert post(SCOPED, key, token)["Idempotent-Replay"] == "true"  # from memory
+    memory.clear()
+    with django_assert_num_queries(0):
+        assert post(SCOPED, key, token)["Idempotent-Replay"] == "true"  # from Redis
+    assert authentications() == before
+    assert Widget.objects.count() == 1
+
+
+def test_with_credential_scope_refuse_the_keys_stay_the_users(key):
+    with override_settings(IDEMPOTENCY={"CREDENTIAL_SCOPE": "refuse"}):
+        token = token_for(UserFactory())
+        assert post(SCOPED, key, token).status_code == 201
+        before = authentications()
+        assert post(SCOPED, key, token)["Idempotent-Replay"] == "true"
+        assert authentications() == before + 1
+    assert IdempotencyRecord.objects.get(key=key).scope.startswith("user:")
