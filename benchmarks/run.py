@@ -884,7 +884,7 @@ def verdict(
         if len(target.against) == 1:
             against = target.against[0]
         else:  # "notes: drf-idempotency, replays, database" -> "drf-idempotency"
-            names = (label.split(": ", 1)[1].split(",")[0] for label in target.against)
+            names = (label.split(": ", 1)[-1].split(",")[0] for label in target.against)
             against = "best of " + ", ".join(names)
         lines.append(
             {
