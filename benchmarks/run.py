@@ -3,13 +3,24 @@
 The demo's payment POST (the heavier endpoint) and the lightest create there is (a three-field
 note), each plain, guarded by ours and by the peers; and the same server's bare GET, the ceiling
 a replay can reach, with a bare POST beside it (a note replay's request answered by a view that
-does nothing: the part of a replay's cost that is the request's own), and three floors (what any
-idempotency layer must do at the least, done by a view with no layer's code: ``FLOORS``). Every
-variant runs in its own gunicorn (see ``benchproject/settings.py``); rows are measured in
+does nothing: the part of a replay's cost that is the request's own), and the floors (what any
+idempotency layer must do at the least, done by a view with no layer's code: ``FLOORS``; the
+replay floors read a stored answer seeded for every key they are sent, ``prepare_floors``).
+Every variant runs in its own gunicorn (see ``benchproject/settings.py``); rows are measured in
 interleaved rounds and reported as medians, with each row's throughput and CPU per request
 relative to the plain endpoint, replays also relative to the ceiling. Per request it reports the
 workers' CPU, the PostgreSQL backends' CPU, the SQL statements the workers ran and the commits
-the database counted. ``--smoke`` runs a few requests per row and fails on any error.
+the database counted. Every request of every row carries the same ``Authorization`` header, and
+every key a body of its own.
+
+The cold replay rows send each key once to a second server of ours that never saw it
+(``ColdKeys``): what a retry costs when it lands on another process than its first request.
+
+It ends with a verdict: each of issue 40's targets (``TARGETS``: ours over its floor, over the
+best peer on the same storage in every round, first-time CPU over the floor's), PASS or FAIL;
+the exit status does not depend on it. A full run writes its report to ``--output`` and to
+``benchmarks/results/http.json``. ``--smoke`` runs a few requests per row and fails on any
+error.
 
     python -m benchmarks.run [--rounds 3] [--duration 6] [--smoke]
 """
@@ -32,7 +43,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +60,28 @@ ACCOUNTS = 200
 
 
 def body_for(number: int) -> str:
+    """The payment sent with replay key ``number`` (request.lua's ``body_for(0, number)``): its
+    accounts and amount follow the number, so no two keys' bodies are the same."""
     source = number % ACCOUNTS + 1
     destination = (number + 1) % ACCOUNTS + 1
+    amount = number // ACCOUNTS % 1000 + 1
     return json.dumps(
-        {"amount": "1.00", "currency": "USD", "source_account": f"acc_{source}",
+        {"amount": f"{amount}.00", "currency": "USD", "source_account": f"acc_{source}",
          "destination_account": f"acc_{destination}"},
         separators=(", ", ": "),
     )  # fmt: skip
 
 
+def note_body(number: int) -> str:
+    """The note sent with replay key ``number`` (request.lua's ``body_for(0, number)``): its
+    title names the key, so no two keys' bodies are the same (a fingerprint computed once per
+    body would otherwise serve every request after the first)."""
+    note = {"title": f"bench 0000-{number:012x}", "body": "a note", "done": False}
+    return json.dumps(note, separators=(", ", ": "))
+
+
 BODY = body_for(0)
-NOTE_BODY = json.dumps({"title": "bench", "body": "a note", "done": False}, separators=(", ", ": "))
+NOTE_BODY = note_body(0)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -100,7 +122,7 @@ class Row:
     label: str
     server: str
     endpoint: Endpoint | None  # None: the bare GET
-    mode: str  # first | replay | none | get
+    mode: str  # first | replay | cold | none | get (request.lua's BENCH_MODE)
     group: str  # rows that do the same work share a group, for "ahead of every peer"
     #: The endpoint whose plain row "× plain" compares with (None: this row's own endpoint).
     baseline: Endpoint | None = None
@@ -114,6 +136,9 @@ class Row:
 
 PAYMENTS = Endpoint("payments", "/api/v1/payments/", "/plain/payments/", "payment")
 NOTES = Endpoint("notes", "/api/v1/notes/", "/plain/notes/", "note")
+#: The server of a variant (the same settings) that serves the cold replay rows: it is sent
+#: keys that the first server created (and, with Redis, replayed once, which made their copy).
+COLD = {"ours": "ours-cold", "ours-redis": "ours-redis-cold"}
 #: What guards the endpoint, and the storage it keeps keys in ("first-db" groups with "first-db").
 GUARDS = [
     ("ours", "ours", "database"),
@@ -134,6 +159,10 @@ def endpoint_rows(endpoint: Endpoint) -> list[Row]:
         for mode, what in (("first", "first-time"), ("replay", "replays")):
             label = f"{endpoint.name}: {name}, {what}, {storage}"
             rows.append(Row(label, server, endpoint, mode, f"{mode}-{group}"))
+        if endpoint is NOTES and server in COLD:
+            # Each retry reaches a process that has never seen its key (``ColdKeys``).
+            label = f"{endpoint.name}: {name}, replays, {storage}, cold"
+            rows.append(Row(label, COLD[server], endpoint, "cold", f"replay-{group}-cold"))
     # Replays answered from each worker's memory (LOCAL_REPLAY_SECONDS): no peer keeps answers
     # there, so the row has a group of its own; its first-time path is the database row's.
     label = f"{endpoint.name}: ours, replays, kept in memory (database behind)"
@@ -154,14 +183,14 @@ BARE_POST = Row(
 #: What any idempotency layer must do at the least, done by a view with no layer's code
 #: (``benchproject.views``): no layer can pass its floor on the same machine.
 REDIS_FLOOR = Row(
-    "floor: bare POST + one Redis GET (a replay from Redis)",
+    "floor: bare POST + one Redis GET, kept connection (a replay from Redis)",
     "ours",
     Endpoint("Redis floor", "/floor/redis/", "/floor/redis/", "note"),
     "replay",
     "floor-redis",
 )
 DATABASE_FLOOR = Row(
-    "floor: bare POST + one indexed SELECT (a replay from the database)",
+    "floor: bare POST + one prepared SELECT by (scope, key) (a replay from the database)",
     "ours",
     Endpoint("database floor", "/floor/database/", "/floor/database/", "note"),
     "replay",
@@ -175,6 +204,15 @@ FIRST_TIME_FLOOR = Row(
     "floor-first",
     baseline=NOTES,
 )
+#: A layer that answers replays from Redis looks there before it claims a new key.
+FIRST_TIME_REDIS_FLOOR = Row(
+    "floor: first-time floor + one Redis GET (miss)",
+    "ours",
+    Endpoint("first-time Redis floor", "/floor/notes/redis/", "/floor/notes/redis/", "note"),
+    "first",
+    "floor-first-redis",
+    baseline=NOTES,
+)
 # A layer inside DRF's view (a mixin) knows the caller, its keys' scope, only after DRF's
 # request and authentication: these two floors pay for those, and for nothing else of DRF's.
 DRF_REDIS_FLOOR = Row(
@@ -185,28 +223,35 @@ DRF_REDIS_FLOOR = Row(
     "floor-drf-redis",
 )
 DRF_DATABASE_FLOOR = Row(
-    "floor: DRF authentication + one indexed SELECT (a replay from the database, inside DRF)",
+    "floor: DRF authentication + one prepared SELECT (a replay from the database, inside DRF)",
     "ours",
     Endpoint("DRF database floor", "/floor/drf/database/", "/floor/drf/database/", "note"),
     "replay",
     "floor-drf-db",
 )
-FLOORS = [REDIS_FLOOR, DATABASE_FLOOR, FIRST_TIME_FLOOR, DRF_REDIS_FLOOR, DRF_DATABASE_FLOOR]
+FLOORS = [
+    REDIS_FLOOR, DATABASE_FLOOR, FIRST_TIME_FLOOR, FIRST_TIME_REDIS_FLOOR, DRF_REDIS_FLOOR,
+    DRF_DATABASE_FLOOR,
+]  # fmt: skip
+#: The floors that read a stored answer: ``prepare_floors`` seeds one under every key they send.
+SEEDED_FLOORS = [REDIS_FLOOR, DATABASE_FLOOR, DRF_REDIS_FLOOR, DRF_DATABASE_FLOOR]
 ROWS = [*endpoint_rows(PAYMENTS), *endpoint_rows(NOTES), CEILING, BARE_POST, *FLOORS]
 #: Groups compared with the ceiling ("× ceiling").
 AGAINST_CEILING = ("ceiling-post", "floor-redis", "floor-db", "floor-drf-redis", "floor-drf-db")
 #: Groups that are a baseline themselves: no added latency to report.
 BASELINES = ("plain", "ceiling", "ceiling-post", *AGAINST_CEILING[1:])
-#: Our notes rows (by label) and the floors each is held to ("ours / floor"): the layer's own
-#: distance from the least its guarantee costs, which the host's speed moves far less than
-#: "× ceiling".
+#: Our notes rows (by label) and the floors each is held to ("ours / floor"), the first being
+#: the one its verdict uses: the layer's own distance from the least its guarantee costs, which
+#: the host's speed moves far less than "× ceiling".
 AGAINST_FLOORS: dict[str, tuple[Row, ...]] = {
     "notes: ours, replays, database": (DATABASE_FLOOR, DRF_DATABASE_FLOOR),
+    "notes: ours, replays, database, cold": (DATABASE_FLOOR,),
     "notes: ours, replays, Redis": (REDIS_FLOOR, DRF_REDIS_FLOOR),
+    "notes: ours, replays, Redis, cold": (REDIS_FLOOR,),
     "notes: ours, middleware, replays, Redis": (REDIS_FLOOR,),
     "notes: ours, first-time, database": (FIRST_TIME_FLOOR,),
-    "notes: ours, first-time, Redis": (FIRST_TIME_FLOOR,),
-    "notes: ours, middleware, first-time, Redis": (FIRST_TIME_FLOOR,),
+    "notes: ours, first-time, Redis": (FIRST_TIME_REDIS_FLOOR, FIRST_TIME_FLOOR),
+    "notes: ours, middleware, first-time, Redis": (FIRST_TIME_REDIS_FLOOR, FIRST_TIME_FLOOR),
 }
 if not set(AGAINST_FLOORS) <= {row.label for row in ROWS}:  # a renamed row, caught at import
     raise RuntimeError(f"AGAINST_FLOORS names rows that do not exist: {set(AGAINST_FLOORS)}")
@@ -214,22 +259,33 @@ if not set(AGAINST_FLOORS) <= {row.label for row in ROWS}:  # a renamed row, cau
 
 def measuring_order() -> list[Row]:
     """The rows in the order a round measures them: each floor right after the first of our
-    rows held to it, so that a row and its floor run seconds apart, not minutes (this host's
-    speed drifts within a round). Rotated each round, which keeps them next to each other."""
+    rows held to it, and the other rows whose verdict it is right after the floor, so that a
+    row and its floor run seconds apart, not minutes (this host's speed drifts within a
+    round). Rotated each round, which keeps them next to each other."""
     order: list[Row] = []
     for row in ROWS:
-        if row not in FLOORS:
-            order.append(row)
-            order += [floor for floor in AGAINST_FLOORS.get(row.label, ()) if floor not in order]
+        if row in FLOORS or row in order:
+            continue
+        order.append(row)
+        for floor in AGAINST_FLOORS.get(row.label, ()):
+            if floor not in order:
+                order.append(floor)
+                order += [
+                    other
+                    for other in ROWS
+                    if other not in order and AGAINST_FLOORS.get(other.label, (None,))[0] is floor
+                ]
     return order + [floor for floor in FLOORS if floor not in order]
 
 
 VARIANTS = [
-    "ours", "ours-redis", "ours-memory", "ours-middleware", "drfi-db", "drfi-redis", "dik", "drfik"
+    "ours", "ours-redis", "ours-memory", "ours-middleware", "drfi-db", "drfi-redis", "dik",
+    "drfik", *COLD.values(),
 ]  # fmt: skip
-#: The ``Authorization`` header each variant's clients send (none where absent): the middleware
-#: scopes keys by it, since it answers replays before DRF's authentication runs.
-AUTHORIZATION = {"ours-middleware": "Token bench-client"}
+#: The ``Authorization`` header every client of every variant sends, so that every row sends
+#: the same request: the middleware scopes keys by it (it answers replays before DRF's
+#: authentication runs); the benchmark's DRF authentication ignores it.
+AUTHORIZATION = "Token bench-client"
 
 
 def environment(variant: str, args: argparse.Namespace) -> dict[str, str]:
@@ -320,13 +376,11 @@ def stop(server: Server) -> None:
 
 
 def post(
-    url: str, key: str | None, body: str = BODY, authorization: str | None = None
+    url: str, key: str | None, body: str = BODY, extra: dict[str, str] | None = None
 ) -> tuple[int, dict[str, str], bytes]:
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", "Authorization": AUTHORIZATION, **(extra or {})}
     if key is not None:
         headers["Idempotency-Key"] = key
-    if authorization is not None:
-        headers["Authorization"] = authorization
     request = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
@@ -342,9 +396,8 @@ def replay_key(server: Server, endpoint: Endpoint, number: int) -> str:
 def create_replay_keys(server: Server, endpoint: Endpoint, count: int) -> None:
     for number in range(count):
         key = replay_key(server, endpoint, number)
-        body = body_for(number) if endpoint is PAYMENTS else NOTE_BODY
-        authorization = AUTHORIZATION.get(server.variant)
-        status, _, answer = post(server.base + endpoint.guarded, key, body, authorization)
+        body = body_for(number) if endpoint is PAYMENTS else note_body(number)
+        status, _, answer = post(server.base + endpoint.guarded, key, body)
         if status != 201:
             raise RuntimeError(f"{server.variant}: creating a replay key got {status}: {answer!r}")
 
@@ -354,10 +407,102 @@ def duplicates_let_through(server: Server, attempts: int = 8) -> int:
     key = f"{secrets.token_hex(4)}-ffff-4000-8000-000000000000"
     url = server.base + "/api/v1/payments/"
     with concurrent.futures.ThreadPoolExecutor(attempts) as pool:
-        authorization = AUTHORIZATION.get(server.variant)
-        results = list(pool.map(lambda _: post(url, key, BODY, authorization), range(attempts)))
+        results = list(pool.map(lambda _: post(url, key, BODY), range(attempts)))
     created = {json.loads(body)["transaction_id"] for status, _, body in results if status == 201}
     return len(created)
+
+
+def prepare_floors(servers: dict[str, Server], args: argparse.Namespace) -> None:
+    """Seed a stored answer under every key the replay floors will send (the replay keys'
+    scheme, under each floor's own prefix), then check that each floor finds it, that the
+    database floor's read is prepared, and that it fails on a key it does not find."""
+    keys = [
+        replay_key(servers[row.server], row.endpoint, number)
+        for row in SEEDED_FLOORS
+        if row.endpoint is not None
+        for number in range(args.replay_keys)
+    ]
+    django(args, f"from benchmarks.benchproject import floors\nfloors.seed({keys!r})")
+    for row in SEEDED_FLOORS:
+        assert row.endpoint is not None
+        server = servers[row.server]
+        url = server.base + row.path
+        for _ in range(2 * args.workers):  # each worker, most likely
+            status, headers, answer = post(
+                url, replay_key(server, row.endpoint, 0), NOTE_BODY, {"Bench-Check": "1"}
+            )
+            if status != 201:
+                raise RuntimeError(f"{row.label}: got {status} for a seeded key: {answer!r}")
+            if row in (DATABASE_FLOOR, DRF_DATABASE_FLOOR) and (
+                headers.get("Bench-Prepared") != "true"
+            ):
+                raise RuntimeError(f"{row.label}: its read is not a prepared statement")
+        status, _, _ = post(url, replay_key(server, row.endpoint, args.replay_keys), NOTE_BODY)
+        if status != 500:
+            raise RuntimeError(f"{row.label}: got {status} for a key with no stored answer")
+
+
+@dataclass
+class ColdKeys:
+    """Notes keys for the cold replay rows, each sent once to a server that never saw it.
+
+    They are created beforehand through the ``ours`` server, by wrk in request.lua's cold mode
+    (the replay keys' scheme under a prefix of their own, numbered from 0; the note body names
+    the key), so through the library's ordinary request path; then replayed once through
+    ``ours-redis``, which makes their Redis copy. Each cold row walks them from 0, every key
+    once, in every pass that sends them (the commit count's too); ``top_up`` creates more
+    before a round, sized from the fastest a cold row has gone so far.
+    """
+
+    prefix: str = field(default_factory=lambda: secrets.token_hex(4))
+    created: int = 0  # keys [0, created) exist
+    copied: int = 0  # keys [0, copied) have their Redis copy
+    sent: dict[str, int] = field(default_factory=dict)  # per cold row: the next key to send
+    replay_rps: float = 2500.0  # the fastest a cold row may go, for sizing what to create
+    create_rps: float = 1000.0  # guessed high until measured (``walk``)
+    copy_rps: float = 3000.0
+    #: How many more keys than the estimate says a row needs are created.
+    MARGIN = 1.5
+
+    def available(self, row: Row) -> int:
+        return self.copied if row.server == COLD["ours-redis"] else self.created
+
+    def top_up(self, servers: dict[str, Server], args: argparse.Namespace, seconds: float) -> None:
+        """Enough keys for every cold row to run ``seconds`` at the fastest estimate."""
+        need = int(self.replay_rps * seconds * self.MARGIN) + args.connections
+        target = max(self.sent.values(), default=0) + need
+        if self.created < target:
+            self.created, self.create_rps = self.walk(
+                servers["ours"], self.created, target, self.create_rps, args
+            )
+        if self.copied < self.created:
+            copied, self.copy_rps = self.walk(
+                servers["ours-redis"], self.copied, self.created, self.copy_rps, args
+            )
+            # A walk may run past the keys created so far: ours-redis created those, and the
+            # next top-up replays them through it (which makes their copy).
+            self.copied = min(copied, self.created)
+
+    def walk(
+        self, server: Server, start: int, end: int, rps: float, args: argparse.Namespace
+    ) -> tuple[int, float]:
+        """Send every key in [start, end) to ``server`` at least once, with one wrk thread in
+        chunks of whole seconds. The last keys of a chunk may still be in flight when it ends,
+        so the next chunk sends them again (a replay, or a 409 while the first is running).
+        Returns the key before which every key has been sent, and the rate seen."""
+        connections = max(args.connections, 8)
+        row = Row("cold keys", server.variant, NOTES, "cold", "cold-keys")
+        while start < end:
+            # Rounded down (and the rates guessed high): the walk goes past ``end`` by less
+            # than a second's keys.
+            seconds = max(1, min(60, int((end - start) / rps)))
+            result = wrk(server, row, args, seconds, cold=(self.prefix, start, 1, connections))
+            sent, rps = result["most_per_thread"], max(result["rps"], 1.0)
+            if result["socket_errors"] or result["bad_status"] > connections or sent <= connections:
+                raise RuntimeError(f"{server.variant}: creating cold keys failed: {result}")
+            start += sent - connections
+            print(f"cold keys: {start} through {server.variant}", file=sys.stderr)
+        return start, rps
 
 
 @dataclass(frozen=True)
@@ -386,6 +531,7 @@ class Database:
         self.connection = psycopg.connect(
             database_url.rsplit("/", 1)[0] + "/postgres", autocommit=True
         )
+        self.bench = psycopg.connect(database_url, autocommit=True)
 
     def backends_cpu(self) -> dict[int, float]:
         pids = self.connection.execute(
@@ -398,6 +544,15 @@ class Database:
                 cpu[pid] = process_cpu_seconds(pid)
         return cpu
 
+    def notes_created(self) -> int:
+        """The highest note id so far: a cold replay that creates a note was no replay."""
+        row = self.bench.execute("SELECT coalesce(max(id), 0) FROM bench_notes_note").fetchone()
+        return int(row[0]) if row else 0
+
+    def versions(self) -> str:
+        row = self.connection.execute("SHOW server_version").fetchone()
+        return str(row[0]) if row else "unknown"
+
     def commits(self) -> int:
         row = self.connection.execute(
             "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", [self.name]
@@ -406,6 +561,7 @@ class Database:
 
     def close(self) -> None:
         self.connection.close()
+        self.bench.close()
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -428,7 +584,11 @@ def wrk(
     args: argparse.Namespace,
     duration: float,
     measure: tuple[Database, Path] | None = None,
+    cold: tuple[str, int, int, int] | None = None,
 ) -> dict[str, Any]:
+    """One wrk run of ``row`` against ``server``; a cold row needs ``cold``: its keys' prefix,
+    the first key to send, and wrk's threads and connections."""
+    threads, connections = args.threads, args.connections
     env = {
         **os.environ,
         "BENCH_MODE": row.mode,
@@ -436,14 +596,18 @@ def wrk(
         "BENCH_KEY_PREFIX": secrets.token_hex(4),
         "BENCH_REPLAY_KEYS": str(args.replay_keys),
         "BENCH_ACCOUNTS": str(ACCOUNTS),
-        "BENCH_AUTHORIZATION": AUTHORIZATION.get(server.variant, ""),
+        "BENCH_AUTHORIZATION": AUTHORIZATION,
     }
     if row.mode == "replay" and row.endpoint is not None:
         env["BENCH_KEY_PREFIX"] = server.replay_prefix(row.endpoint)
+    if row.mode == "cold":
+        assert cold is not None, "a cold row needs its keys"
+        env["BENCH_KEY_PREFIX"], start, threads, connections = cold
+        env["BENCH_COLD_START"], env["BENCH_THREADS"] = str(start), str(threads)
     before = snapshot(server, *measure) if measure else None
     output = subprocess.run(
         [
-            "wrk", "--threads", str(args.threads), "--connections", str(args.connections),
+            "wrk", "--threads", str(threads), "--connections", str(connections),
             "--duration", f"{duration:.0f}s", "--timeout", "10s", "--script", str(LUA),
             server.base + row.path,
         ],
@@ -467,26 +631,69 @@ def wrk(
     return result
 
 
+def run_row(
+    servers: dict[str, Server],
+    row: Row,
+    args: argparse.Namespace,
+    duration: float,
+    cold_keys: ColdKeys,
+    database: Database,
+    measure: tuple[Database, Path] | None = None,
+) -> dict[str, Any]:
+    """One run of ``row``; a cold row takes the next of its keys, none sent to its server
+    before, and fails if it ran past the keys created or created a note (did not replay)."""
+    server = servers[row.server]
+    if row.mode != "cold":
+        return wrk(server, row, args, duration, measure)
+    start = cold_keys.sent.get(row.label, 0)
+    notes = database.notes_created()
+    result = wrk(
+        server,
+        row,
+        args,
+        duration,
+        measure,
+        (cold_keys.prefix, start, args.threads, args.connections),
+    )
+    cold_keys.sent[row.label] = start + result["most_per_thread"] * args.threads
+    cold_keys.replay_rps = max(cold_keys.replay_rps, result["rps"])
+    if cold_keys.sent[row.label] > cold_keys.available(row):
+        raise RuntimeError(
+            f"{row.label}: sent keys up to {cold_keys.sent[row.label]}, "
+            f"only {cold_keys.available(row)} were created (ColdKeys.MARGIN too small)"
+        )
+    if database.notes_created() != notes:
+        raise RuntimeError(f"{row.label}: created notes: not every request was a replay")
+    return result
+
+
 def count_commits(
-    servers: dict[str, Server], database: Database, args: argparse.Namespace
+    servers: dict[str, Server],
+    database: Database,
+    args: argparse.Namespace,
+    cold_keys: ColdKeys,
 ) -> dict[str, float]:
     """Commits per request of each row, from ``pg_stat_database``, one row at a time.
 
     Each row runs alone for ``--commit-seconds``, then the backends are left idle until they have
     reported their counts; the benchmark database sees nothing else meanwhile.
     """
+    cold_keys.top_up(servers, args, args.commit_seconds)
     time.sleep(Database.STATS_DELAY)
     commits = {}
     for row in ROWS:
         before = database.commits()
-        result = wrk(servers[row.server], row, args, args.commit_seconds)
+        result = run_row(servers, row, args, args.commit_seconds, cold_keys, database)
         time.sleep(Database.STATS_DELAY)
         commits[row.label] = (database.commits() - before) / max(result["requests"], 1)
         print(f"commits: {row.label}: {commits[row.label]:.2f}/request", file=sys.stderr)
     return commits
 
 
-def machine() -> dict[str, Any]:
+def host(database: Database, redis_url: str) -> dict[str, Any]:
+    """What the run ran on (the load averages are added around the run)."""
+    import redis
+
     cpu = next(
         (
             line.split(":", 1)[1].strip()
@@ -495,7 +702,15 @@ def machine() -> dict[str, Any]:
         ),
         platform.processor(),
     )
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+    with redis.Redis.from_url(redis_url) as client:
+        redis_version = str(client.info("server").get("redis_version", "unknown"))
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "postgresql": database.versions(),
+        "redis": redis_version,
+    }
 
 
 def summarise(
@@ -504,7 +719,7 @@ def summarise(
     """Medians per row; ratios to the same endpoint's plain row, replays also to the ceiling."""
 
     def median(row: Row, name: str) -> float:
-        return statistics.median(result[name] for result in results[row.label])
+        return float(statistics.median(result[name] for result in results[row.label]))
 
     plain = {row.endpoint: row for row in ROWS if row.mode == "none"}
     ceiling_rps = median(CEILING, "rps")
@@ -570,6 +785,142 @@ def floors_table(compared: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Target:
+    """One line of the verdict: ``row`` over ``against`` (a row, or the best of several peers'
+    in each round), per round; the median of the rounds, or their worst (``every_round``),
+    must reach ``target`` (``at_most``: must stay under it, for CPU)."""
+
+    row: str
+    against: tuple[str, ...]
+    target: float
+    every_round: bool = False
+    cpu: bool = False  # app + PostgreSQL CPU per request instead of requests/s
+    at_most: bool = False
+
+
+def peers(what: str, storage: str, *names: str) -> tuple[str, ...]:
+    """The notes rows of the peers (by package name) that keep keys in ``storage``."""
+    return tuple(
+        f"notes: {name}, {what}, {storage}"
+        for name, _, kept_in in GUARDS
+        if kept_in == storage and not name.startswith("ours") and (not names or name in names)
+    )
+
+
+#: The targets of issue 40, on the notes endpoint (the lightest create: the layer's own cost
+#: is the largest share there).
+TARGETS = [
+    Target("notes: ours, replays, database", (DATABASE_FLOOR.label,), 0.95),
+    Target("notes: ours, replays, database, cold", (DATABASE_FLOOR.label,), 0.85),
+    Target("notes: ours, replays, Redis", (REDIS_FLOOR.label,), 0.90),
+    Target("notes: ours, middleware, replays, Redis", (REDIS_FLOOR.label,), 0.90),
+    Target("notes: ours, first-time, database", (FIRST_TIME_FLOOR.label,), 0.95),
+    Target("notes: ours, first-time, Redis", (FIRST_TIME_REDIS_FLOOR.label,), 0.95),
+    Target("notes: ours, middleware, first-time, Redis", (FIRST_TIME_REDIS_FLOOR.label,), 0.95),
+    Target("notes: ours, replays, kept in memory (database behind)", (CEILING.label,), 0.80),
+    Target("notes: ours, replays, database", peers("replays", "database"), 1.05, True),
+    Target("notes: ours, replays, database, cold", peers("replays", "database"), 1.05, True),
+    Target("notes: ours, replays, Redis", peers("replays", "Redis"), 1.05, True),
+    Target("notes: ours, middleware, replays, Redis", peers("replays", "Redis"), 1.05, True),
+    Target("notes: ours, first-time, database", peers("first-time", "database"), 1.05, True),
+    Target(
+        "notes: ours, first-time, Redis",
+        peers("first-time", "Redis", "drf-idempotency"),
+        0.95,
+        True,
+    ),
+    Target(
+        "notes: ours, middleware, first-time, Redis",
+        peers("first-time", "Redis", "drf-idempotency"),
+        0.95,
+        True,
+    ),
+    Target(
+        "notes: ours, first-time, database",
+        (FIRST_TIME_FLOOR.label,),
+        1.10,
+        cpu=True,
+        at_most=True,
+    ),
+]
+_LABELS = {row.label for row in ROWS}
+if not all({t.row, *t.against} <= _LABELS for t in TARGETS):  # a renamed row, caught at import
+    raise RuntimeError("TARGETS name rows that do not exist")
+
+
+def verdict(
+    results: dict[str, list[dict[str, Any]]], targets: list[Target] = TARGETS
+) -> list[dict[str, Any]]:
+    """Each target's ratio, round by round (a round measures a row and its floor seconds
+    apart: ``measuring_order``), and whether it is met: a dict per target with ``row``,
+    ``against``, ``rounds``, ``ratio`` (the median of the rounds, or their worst where every
+    round must pass), ``target`` and ``passed``."""
+
+    def value(result: dict[str, Any], cpu: bool) -> float:
+        if cpu:
+            return float(result["cpu_ms_per_request"] + result["pg_cpu_ms_per_request"])
+        return float(result["rps"])
+
+    lines = []
+    for target in targets:
+        rounds = []
+        for number, ours in enumerate(results.get(target.row, [])):
+            others = [
+                value(results[label][number], target.cpu)
+                for label in target.against
+                if number < len(results.get(label, []))
+            ]
+            best = (min if target.cpu else max)(others, default=0.0)
+            if best:
+                rounds.append(value(ours, target.cpu) / best)
+        if not rounds:
+            ratio = float("nan")
+        elif target.every_round:
+            ratio = max(rounds) if target.at_most else min(rounds)
+        else:
+            ratio = statistics.median(rounds)
+        passed = ratio <= target.target if target.at_most else ratio >= target.target
+        if len(target.against) == 1:
+            against = target.against[0]
+        else:  # "notes: drf-idempotency, replays, database" -> "drf-idempotency"
+            names = (label.split(": ", 1)[-1].split(",")[0] for label in target.against)
+            against = "best of " + ", ".join(names)
+        lines.append(
+            {
+                "row": target.row,
+                "against": against,
+                "measure": "CPU per request" if target.cpu else "requests/s",
+                "rounds": rounds,
+                "ratio": ratio,
+                "target": target.target,
+                "at_most": target.at_most,
+                "every_round": target.every_round,
+                "passed": bool(rounds) and passed,
+            }
+        )
+    return lines
+
+
+def verdict_table(lines: list[dict[str, Any]]) -> str:
+    table = [
+        "| row | against | measure | ours ÷ it | rounds | target | verdict |",
+        "|---|---|---|---:|---|---|---|",
+    ]
+    for line in lines:
+        rounds = ", ".join(f"{ratio:.2f}" for ratio in line["rounds"])
+        target = f"{'≤' if line['at_most'] else '≥'} {line['target']:.2f}"
+        target += ", every round" if line["every_round"] else ""
+        table.append(
+            f"| {line['row']} | {line['against'].removeprefix('floor: ')} | {line['measure']} "
+            f"| {line['ratio']:.2f} | {rounds} | {target} "
+            f"| {'PASS' if line['passed'] else 'FAIL'} |"
+        )
+    passed = sum(line["passed"] for line in lines)
+    table += ["", f"verdict: {passed} of {len(lines)} targets met, {len(lines) - passed} missed"]
+    return "\n".join(table)
+
+
 def table(summary: list[dict[str, Any]], duplicates: dict[str, int]) -> str:
     lines = [
         "| row | req/s | × plain | × ceiling | p50 ms | p99 ms | p99 added ms | app CPU ms/req "
@@ -616,6 +967,13 @@ def main() -> int:
         "--redis-url", default=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/2")
     )
     parser.add_argument("--output", type=Path, default=ROOT / "artifacts" / "bench.json")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=ROOT / "benchmarks" / "results" / "http.json",
+        help="where a full run (not --smoke) writes its report too, for the repository",
+    )
+    parser.add_argument("--no-results", action="store_true", help="do not write --results")
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.duration, args.connections, args.replay_keys = 1, 1.0, 2, 5
@@ -629,6 +987,8 @@ def main() -> int:
     os.environ["BENCH_COUNT_DIR"] = str(count_dir)
     database = Database(args.database_url)
     servers = {variant: Server(variant, 8301 + index) for index, variant in enumerate(VARIANTS)}
+    cold_keys = ColdKeys()
+    machine = host(database, args.redis_url)
     load_before = os.getloadavg()
     try:
         for server in servers.values():
@@ -636,61 +996,78 @@ def main() -> int:
         for server in servers.values():
             wait_until_up(server)
             print(f"{server.variant}: up; creating replay keys", file=sys.stderr)
-            for endpoint in (PAYMENTS, NOTES):
+            cold = server.variant in COLD.values()  # its replay keys only warm it up
+            for endpoint in (NOTES,) if cold else (PAYMENTS, NOTES):
                 create_replay_keys(server, endpoint, args.replay_keys)
         for variant in ("ours", "ours-middleware"):
             # The replay rows must replay: a key sent under another scope would run again.
             server = servers[variant]
-            smoke_replay = post(
-                server.base + PAYMENTS.guarded,
-                replay_key(server, PAYMENTS, 0),
-                authorization=AUTHORIZATION.get(variant),
-            )
+            smoke_replay = post(server.base + PAYMENTS.guarded, replay_key(server, PAYMENTS, 0))
             if smoke_replay[1].get("Idempotent-Replay") != "true":
                 raise RuntimeError(f"{variant}: our replay was not a replay: {smoke_replay}")
+        prepare_floors(servers, args)
         duplicates = {}
         for variant, server in servers.items():
-            print(f"{variant}: concurrent duplicates", file=sys.stderr)
-            duplicates[variant] = duplicates_let_through(server)
+            if variant not in COLD.values():
+                print(f"{variant}: concurrent duplicates", file=sys.stderr)
+                duplicates[variant] = duplicates_let_through(server)
         if not args.smoke:  # warm every server and the database caches
+            warm = {}
             for row in ROWS:
-                wrk(servers[row.server], row, args, 2.0)
+                # A cold server is warmed up on its own replay keys: it must not see cold ones.
+                warming = replace(row, mode="replay") if row.mode == "cold" else row
+                warm[row.label] = wrk(servers[row.server], warming, args, 2.0)["rps"]
+            cold_keys.create_rps = warm["notes: ours, first-time, database"]
+            cold_keys.copy_rps = warm["notes: ours, replays, Redis"]
+            cold_keys.replay_rps = max(warm[row.label] for row in ROWS if row.mode == "cold")
         results: dict[str, list[dict[str, Any]]] = {row.label: [] for row in ROWS}
         for round_number in range(args.rounds):
+            cold_keys.top_up(servers, args, args.duration)
             # Rotate the order each round, so no row always runs first or last.
             order = measuring_order()
             shift = round_number % len(order)
             for row in order[shift:] + order[:shift]:
-                result = wrk(servers[row.server], row, args, args.duration, (database, count_dir))
+                result = run_row(
+                    servers, row, args, args.duration, cold_keys, database, (database, count_dir)
+                )
                 results[row.label].append(result)
                 print(f"round {round_number + 1}/{args.rounds}: {row.label}: "
                       f"{result['rps']:.0f} req/s", file=sys.stderr)  # fmt: skip
-        commits = {} if args.smoke else count_commits(servers, database, args)
+        commits = {} if args.smoke else count_commits(servers, database, args, cold_keys)
     finally:
         for server in servers.values():
             stop(server)
         database.close()
         shutil.rmtree(count_dir, ignore_errors=True)
+    machine |= {"load_average_before": load_before, "load_average_after": os.getloadavg()}
     summary = summarise(results, commits)
     compared = against_floors(results)
+    verdicts = verdict(results)
     report = {
-        "machine": machine(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "settings": {k: v for k, v in vars(args).items() if k != "output"}
-        | {"body": BODY, "note_body": NOTE_BODY},
+        "host": machine,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("output", "results")}
+        | {"body": BODY, "note_body": NOTE_BODY, "cold_keys_created": cold_keys.created},
+        "verdict": verdicts,
         "summary": summary,
         "against_floors": compared,
         "duplicates": duplicates,
         "raw": results,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2, default=str))
+    written = [args.output]
+    if not (args.smoke or args.no_results):
+        written.append(args.results)
+    for path in written:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2, default=str))
     print(table(summary, duplicates))
     print("\nOur rows against their floors, each round's pair measured seconds apart:\n")
     print(floors_table(compared))
-    print(f"\nmachine: {report['machine']}; load average before {load_before}, "
-          f"after {report['load_average_after']}; raw results in {args.output}")  # fmt: skip
+    print(
+        "\nVerdict (issue 40's targets, notes endpoint; each ratio per round, then its median or,"
+    )
+    print("where every round must pass, its worst):\n")
+    print(verdict_table(verdicts))
+    print(f"\nhost: {machine}; raw results in {', '.join(map(str, written))}")
     if args.smoke:
         failed = [
             label

@@ -19,7 +19,7 @@ from typing import Any
 from django.db.backends.signals import connection_created
 
 _COUNTER = struct.Struct("=Q")
-_state: dict[str, Any] = {"pid": None, "map": None, "count": 0}
+_state: dict[str, Any] = {"pid": None, "map": None, "count": 0, "installed": False}
 
 
 def _counter() -> mmap.mmap:
@@ -48,12 +48,22 @@ def _on_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
 
 def install() -> None:
     if os.environ.get("BENCH_COUNT_DIR"):
+        _state["installed"] = True
         connection_created.connect(_on_connection, dispatch_uid="bench-statement-counter")
 
 
 def total(directory: Path, variant: str) -> int:
-    """Statements executed so far by every worker of ``variant``."""
+    """Statements executed so far by every worker of ``variant`` (``ours``, not ``ours-redis``)."""
     return sum(
         _COUNTER.unpack(path.read_bytes()[: _COUNTER.size])[0]
         for path in directory.glob(f"{variant}-*")
+        if path.name.removeprefix(f"{variant}-").isdigit()
     )
+
+
+def add(statements: int = 1) -> None:
+    """Count statements run outside Django's cursors (a floor's own psycopg cursor)."""
+    if _state["installed"]:
+        counter = _counter()
+        _state["count"] += statements
+        _COUNTER.pack_into(counter, 0, _state["count"])

@@ -3,11 +3,11 @@
 ``BENCH_VARIANT`` picks what guards ``POST /api/v1/payments/``: ``ours`` (database only),
 ``ours-redis`` (with the Redis copy), ``ours-memory`` (database only, answers kept in
 each worker's memory for 5 s: ``LOCAL_REPLAY_SECONDS``), ``ours-middleware`` (the Redis
-copy, guarded by ``IdempotencyMiddleware`` instead of the mixin; its clients send an
-``Authorization`` header, which scopes their keys: ``benchmarks.run.AUTHORIZATION``), or one
+copy, guarded by ``IdempotencyMiddleware`` instead of the mixin; it scopes keys by the
+``Authorization`` header every client sends: ``benchmarks.run.AUTHORIZATION``), or one
 of the PyPI peers wired as their READMEs say (``dik``: django-idempotency-key, ``drfi-db`` /
 ``drfi-redis``: drf-idempotency, ``drfik``: drf-idempotencykey). ``all`` installs every app, for
-migrations.
+migrations. ``<variant>-cold`` is a second server of a variant, with the same settings.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from typing import Any
 import environ
 
 VARIANT = os.environ.get("BENCH_VARIANT", "ours")
+# A second server of a variant, for keys it has never seen (the cold replay rows): the same
+# settings, its own name in BENCH_VARIANT (the statement counter tells the servers apart by it).
+VARIANT = VARIANT.removesuffix("-cold")
 DATABASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/idem_speed")
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/2")
 

@@ -12,6 +12,7 @@ urlpatterns = [
     path("floor/redis/", views.floor_redis),
     path("floor/database/", views.floor_database),
     path("floor/notes/", views.FloorNoteView.as_view()),
+    path("floor/notes/redis/", views.FloorNoteRedisView.as_view()),
     path("floor/drf/redis/", views.DrfFloorRedis.as_view()),
     path("floor/drf/database/", views.DrfFloorDatabase.as_view()),
 ]

@@ -1,16 +1,19 @@
 """The payments endpoint and the lightest create endpoint in every variant, plus a bare GET, a
-bare POST and three floors.
+bare POST and the floors.
 
 The bare GET (no database, no DRF) is the ceiling for a replay: the fastest answer this server
 gives to anything. The bare POST answers a note replay's request (same headers, same body) with a
-note's answer and does nothing else: what that request costs before any idempotency work.
+note's answer and does nothing else: what that request costs before any idempotency work. Both
+run outside a transaction (the settings have ``ATOMIC_REQUESTS``), as a replay's answer does.
 
 The floors are what any idempotency layer must do at the least, done with no layer's code: a
-bare POST that reads one value from Redis first (a replay from Redis), one that reads one row
-from PostgreSQL first (a replay from the database), and the plain note create with a claim
-committed before it and completed inside its transaction (a first-time key with that
-guarantee). No layer can beat its floor on the same machine; what separates a layer from it is
-the layer's own work.
+bare POST that first reads the request key's stored answer from Redis (a replay from Redis), one
+that first reads it from PostgreSQL (a replay from the database), the plain note create with a
+claim committed before it and completed inside its transaction (a first-time key with that
+guarantee), and that create after one Redis GET, a miss (a first-time key for a layer that keeps
+its answers in Redis). What the replay floors read, and how cheaply, is in ``floors``. No layer
+can beat its floor on the same machine; what separates a layer from it is the layer's own work.
+Every floor reads its key from ``request.META``, the cheapest place there is.
 
 The DRF floors are the two replay floors for a layer inside DRF's view (a mixin): the key's
 scope is the caller, and the caller is known only once DRF has built its request and run its
@@ -21,10 +24,8 @@ replay needs no more than the read does), then reads as the plain floor does.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, TypeVar
 
-import redis
 from django.conf import settings
 from django.db import connection, transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
@@ -32,6 +33,7 @@ from rest_framework import generics, mixins, viewsets
 from rest_framework.request import Request
 from rest_framework.views import APIView
 
+from benchmarks.benchproject import floors
 from benchmarks.benchproject.notes.models import Note
 from benchmarks.benchproject.notes.serializers import NoteSerializer
 from demo_project.payments import services
@@ -76,6 +78,7 @@ def guarded(view: View) -> View:
     return view
 
 
+@transaction.non_atomic_requests
 def bare_get(request: HttpRequest) -> HttpResponse:
     """A small JSON answer without the database or DRF: the replay ceiling."""
     return HttpResponse(b'{"ok":true}', content_type="application/json")
@@ -84,6 +87,7 @@ def bare_get(request: HttpRequest) -> HttpResponse:
 NOTE_ANSWER = b'{"id":1,"title":"bench","body":"a note","done":false}'
 
 
+@transaction.non_atomic_requests
 def bare_post(request: HttpRequest) -> HttpResponse:
     """A note's answer to a note replay's request, without reading it, the database or DRF."""
     return HttpResponse(NOTE_ANSWER, status=201, content_type="application/json")
@@ -91,34 +95,35 @@ def bare_post(request: HttpRequest) -> HttpResponse:
 
 # --- floors ------------------------------------------------------------------------------------
 
-#: What the Redis floor reads: about the size of a stored answer with its headers.
-FLOOR_REDIS_KEY = "bench:floor"
-FLOOR_REDIS_VALUE = NOTE_ANSWER * 6
 
-
-@functools.cache
-def redis_client() -> redis.Redis[bytes]:
-    return redis.Redis.from_url(settings.REDIS_URL)
+def missing(key: str) -> HttpResponse:
+    """A floor that finds no stored answer fails: its row would otherwise pass for fast."""
+    return HttpResponse(f"no stored answer for {key}".encode(), status=500)
 
 
 @transaction.non_atomic_requests
 def floor_redis(request: HttpRequest) -> HttpResponse:
-    """The bare POST after one Redis GET, outside a transaction (a replay opens none): the
-    fastest a replay kept in Redis can be answered."""
-    client = redis_client()
-    if client.get(FLOOR_REDIS_KEY) is None:
-        client.set(FLOOR_REDIS_KEY, FLOOR_REDIS_VALUE)
+    """The bare POST after one Redis GET of the key's stored answer, on a connection kept for
+    good, outside a transaction (a replay opens none): the fastest a replay kept in Redis can
+    be answered."""
+    key = request.META["HTTP_IDEMPOTENCY_KEY"]
+    if floors.redis_client().get(floors.redis_key(key)) is None:
+        return missing(key)
     return bare_post(request)
 
 
 @transaction.non_atomic_requests
 def floor_database(request: HttpRequest) -> HttpResponse:
-    """The bare POST after one read by primary key, outside a transaction (as a replay's read
-    is): the fastest a replay kept in PostgreSQL can be answered."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT title, body, done FROM bench_notes_note WHERE id = %s", [1])
-        cursor.fetchone()
-    return bare_post(request)
+    """The bare POST after one prepared read of the key's stored answer by scope and key,
+    outside a transaction (as a replay's read is): the fastest a replay kept in PostgreSQL can
+    be answered. ``Bench-Check`` in the request: says whether the read is prepared."""
+    key = request.META["HTTP_IDEMPOTENCY_KEY"]
+    if floors.read_record(key) is None:
+        return missing(key)
+    response = bare_post(request)
+    if "HTTP_BENCH_CHECK" in request.META:
+        response["Bench-Prepared"] = str(floors.prepared()).lower()
+    return response
 
 
 class DrfFloor(APIView):
@@ -141,7 +146,7 @@ class DrfFloorRedis(DrfFloor):
 
 
 class DrfFloorDatabase(DrfFloor):
-    """The database floor inside DRF: the caller authenticated, then one read by primary key."""
+    """The database floor inside DRF: the caller authenticated, then one prepared read."""
 
     def post(self, request: Request) -> HttpResponse:
         return floor_database(request._request)
@@ -170,7 +175,7 @@ class FloorNoteView(PlainNoteView):
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
         with connection.cursor() as cursor:
-            cursor.execute(FLOOR_CLAIM, [request.headers["Idempotency-Key"]])
+            cursor.execute(FLOOR_CLAIM, [request.META["HTTP_IDEMPOTENCY_KEY"]])
             (claim,) = cursor.fetchone()
         with transaction.atomic():
             response = super().dispatch(request, *args, **kwargs)
@@ -178,3 +183,13 @@ class FloorNoteView(PlainNoteView):
             with connection.cursor() as cursor:
                 cursor.execute(FLOOR_COMPLETE, [response.status_code, response.content, claim])
         return response
+
+
+class FloorNoteRedisView(FloorNoteView):
+    """The first-time floor after one Redis GET of the key, a miss (a new key has no stored
+    answer), on a kept connection: what a layer that answers replays from Redis adds to a
+    first-time key at the least, since it must look there first."""
+
+    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        floors.redis_client().get(floors.redis_key(request.META["HTTP_IDEMPOTENCY_KEY"]))
+        return super().dispatch(request, *args, **kwargs)

@@ -23,3 +23,23 @@ class FloorClaim(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+
+class FloorRecord(models.Model):
+    """A stored answer the database replay floor reads (``views.floor_database``): the least a
+    record needs (its scope and key, unique together, its expiry, the answer's status and body),
+    seeded by ``benchmarks.run`` for exactly the keys the floor rows send."""
+
+    scope = models.CharField(max_length=64)
+    key = models.CharField(max_length=255)
+    expires_at = models.DateTimeField()
+    status = models.PositiveSmallIntegerField()
+    body = models.BinaryField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["scope", "key"], name="bench_floorrecord_scope_key")
+        ]
+
+    def __str__(self) -> str:
+        return self.key
