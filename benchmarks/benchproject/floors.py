@@ -83,6 +83,15 @@ def read_record(key: str) -> tuple[int, bytes] | None:
     return row
 
 
+def execute(sql: str, params: tuple[Any, ...]) -> Any:
+    """``sql`` as one prepared statement on this thread's connection (the first-time floor's
+    claim and completion, prepared as a layer's are); the cursor, to fetch from."""
+    cursor = _cursor()
+    cursor.execute(sql, params, prepare=True)
+    counting.add()
+    return cursor
+
+
 def prepared() -> bool:
     """Whether this connection holds :data:`READ` as a prepared statement (a setup check)."""
     with connection.connection.cursor() as cursor:

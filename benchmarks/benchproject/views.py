@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from rest_framework import generics, mixins, viewsets
 from rest_framework.request import Request
@@ -70,7 +70,10 @@ def guarded(view: View) -> View:
     if settings.VARIANT in ("ours", "ours-redis", "ours-memory"):
         from django_idempotency.drf import IdempotencyMixin
 
-        return type(f"Ours{view.__name__}", (IdempotencyMixin, view), {})  # type: ignore[return-value]
+        # Every client sends credentials (run.AUTHORIZATION): its keys are scoped by them, and
+        # a replay is answered before DRF's authentication, as a user serving API clients sets.
+        attributes = {"idempotency_scope_by_credentials": True}
+        return type(f"Ours{view.__name__}", (IdempotencyMixin, view), attributes)  # type: ignore[return-value]
     if settings.VARIANT == "drfik":
         from drf_idempotencykey.mixins import DrfIdempotencyKeyMixin
 
@@ -174,14 +177,12 @@ class FloorNoteView(PlainNoteView):
         return transaction.non_atomic_requests(super().as_view(**initkwargs))
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
-        with connection.cursor() as cursor:
-            cursor.execute(FLOOR_CLAIM, [request.META["HTTP_IDEMPOTENCY_KEY"]])
-            (claim,) = cursor.fetchone()
+        # Both prepared on the server, as a layer's own statements are.
+        (claim,) = floors.execute(FLOOR_CLAIM, (request.META["HTTP_IDEMPOTENCY_KEY"],)).fetchone()
         with transaction.atomic():
             response = super().dispatch(request, *args, **kwargs)
             response.render()  # type: ignore[attr-defined]
-            with connection.cursor() as cursor:
-                cursor.execute(FLOOR_COMPLETE, [response.status_code, response.content, claim])
+            floors.execute(FLOOR_COMPLETE, (response.status_code, response.content, claim))
         return response
 
 
