@@ -134,29 +134,9 @@ def test_replay_is_served_from_redis_without_a_query(redis, client, key, django_
     assert Widget.objects.count() == 1
 
 
-def test_one_redis_command_before_the_view_and_none_after_it(redis, client, key, monkeypatch):
-    """First time: a GET, then nothing after the commit. The first replay: a GET, the database's
-    answer, then the copy (SET). Every later replay: a GET."""
-    sent: list[str] = []
-    # The client this thread sends its commands with (its own connection, on standalone Redis).
-    sender = redis_copy._client()
-    send = sender.execute_command
-
-    def recording(*args: Any, **options: Any) -> Any:
-        sent.append(str(args[0]))
-        return send(*args, **options)
-
-    monkeypatch.setattr(sender, "execute_command", recording)
-    assert post(client, key)["Idempotent-Replay"] == "false"
-    assert sent == ["GET"]
-    for commands in (["GET", "SET"], ["GET"], ["GET"]):
-        sent.clear()
-        assert post(client, key)["Idempotent-Replay"] == "true"
-        assert sent == commands
-
-
 def recorded_commands(monkeypatch: Any) -> list[str]:
-    """The names of the Redis commands this thread sends from now on."""
+    """The names of the Redis commands this thread sends from now on (on the client it sends
+    them with: its own connection, on standalone Redis)."""
     sent: list[str] = []
     sender = redis_copy._client()
     send = sender.execute_command
@@ -167,6 +147,18 @@ def recorded_commands(monkeypatch: Any) -> list[str]:
 
     monkeypatch.setattr(sender, "execute_command", recording)
     return sent
+
+
+def test_one_redis_command_before_the_view_and_none_after_it(redis, client, key, monkeypatch):
+    """First time: a GET, then nothing after the commit. The first replay: a GET, the database's
+    answer, then the copy (SET). Every later replay: a GET."""
+    sent = recorded_commands(monkeypatch)
+    assert post(client, key)["Idempotent-Replay"] == "false"
+    assert sent == ["GET"]
+    for commands in (["GET", "SET"], ["GET"], ["GET"]):
+        sent.clear()
+        assert post(client, key)["Idempotent-Replay"] == "true"
+        assert sent == commands
 
 
 def test_on_new_keys_only_the_copy_is_not_read_and_it_is_read_again_when_retries_come_back(
