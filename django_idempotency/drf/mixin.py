@@ -138,13 +138,12 @@ class IdempotencyMixin(_Base):
         early_scope = (
             credentials_scope(request._request) if self.idempotency_scope_by_credentials else None
         )
+        scope: Callable[[], str]
         if early_scope is None:
             self.perform_authentication(request)
-        scope = (
-            partial(self.get_idempotency_scope, request)
-            if early_scope is None
-            else partial(str, early_scope)
-        )
+            scope = partial(self.get_idempotency_scope, request)
+        else:
+            scope = partial(str, early_scope)
         decision = lifecycle.admit(
             request._request,
             scope=scope,
