@@ -165,9 +165,11 @@ chaos: $(VENV)/.installed
 
 ## bench-relay: the relay as deployed on PostgreSQL (POSTGRES_URL, REDIS_URL): 1, 2 and 4
 ## `outbox_relay --loop` processes against the SQL floor, per publisher; writes
-## benchmarks/results/relay.json (benchmarks/relay_deployed.py)
+## benchmarks/results/relay.json (benchmarks/relay_deployed.py); then a claim's cost with
+## 100,000 events behind failed ones (benchmarks/relay_blocked.py)
 bench-relay: $(VENV)/.installed
 	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/relay_deployed.py $(BENCH_ARGS)
+	TEST_DATABASE=postgresql $(VENV)/bin/python benchmarks/relay_blocked.py
 
 ## bench-relay-brokers: one relay in process per real broker (AMQP_URL, NATS_URL), then relay
 ## processes with in-memory, AMQP and Celery publishers and commit -> publish latency

@@ -220,7 +220,8 @@ class OutboxEvent(FailureColumns):
         choices=OutboxStatus.choices,
         default=OutboxStatus.PENDING,
         help_text=_(
-            "PENDING until published; DEAD after OUTBOX_MAX_ATTEMPTS failures, until retried."
+            "PENDING until published; DEAD after OUTBOX_MAX_ATTEMPTS failures, until "
+            "retried; HELD while an earlier event of its key is DEAD or waits for a retry."
         ),
     )
     attempts = models.PositiveIntegerField(

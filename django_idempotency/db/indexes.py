@@ -28,6 +28,7 @@ from django.db import models
 __all__ = [
     "EXTRA_INDEXES",
     "OUTBOX_UNPUBLISHED",
+    "OUTBOX_UNPUBLISHED_0011",
     "OUTBOX_UNPUBLISHED_INDEX",
     "RECORD_CREATED",
     "RECORD_CREATED_INDEX",
@@ -47,8 +48,8 @@ RECORD_CREATED_INDEX = models.Index(
 #: The unpublished events of a key, in id order (relay order among unpublished events).
 OUTBOX_UNPUBLISHED_INDEX = models.Index(
     fields=["key", "id"],
-    condition=models.Q(status__in=["PENDING", "DEAD"]),
-    name="django_idem_outbox_unpub_idx",
+    condition=models.Q(status__in=["PENDING", "DEAD", "HELD"]),
+    name="django_idem_outbox_unsent_idx",
 )
 
 #: By model name (``Model._meta.model_name``).
@@ -164,10 +165,21 @@ RECORD_CREATED = Built(
     "(created_at) INCLUDE (status, response_status, lease_expires_at, attempts)",
     "created_idx",
 )
-#: Migration 0011's index.
+#: Migration 0011's index, replaced by migration 0012's when HELD events joined the unpublished.
+OUTBOX_UNPUBLISHED_0011 = Built(
+    "OutboxEvent",
+    models.Index(
+        fields=["key", "id"],
+        condition=models.Q(status__in=["PENDING", "DEAD"]),
+        name="django_idem_outbox_unpub_idx",
+    ),
+    "(key, id) WHERE status IN ('PENDING', 'DEAD')",
+    "unpub_idx",
+)
+#: Migration 0012's index.
 OUTBOX_UNPUBLISHED = Built(
     "OutboxEvent",
     OUTBOX_UNPUBLISHED_INDEX,
-    "(key, id) WHERE status IN ('PENDING', 'DEAD')",
-    "unpub_idx",
+    "(key, id) WHERE status IN ('PENDING', 'DEAD', 'HELD')",
+    "unsent_idx",
 )

@@ -90,11 +90,14 @@ class OutboxStatus(models.TextChoices):
     PENDING = "PENDING", "Pending"
     PUBLISHED = "PUBLISHED", "Published"
     DEAD = "DEAD", "Dead"
+    #: Set aside behind a failed earlier event of its key (outbox/holding.py); PENDING again
+    #: once that event is published, retried or discarded.
+    HELD = "HELD", "Held (behind a failed event of its key)"
 
 
 #: Statuses that still hold back later events with the same key: a DEAD event keeps its key's
-#: order until someone retries or discards it.
-UNPUBLISHED = (OutboxStatus.PENDING, OutboxStatus.DEAD)
+#: order until someone retries or discards it, and the events HELD behind it keep theirs.
+UNPUBLISHED = (OutboxStatus.PENDING, OutboxStatus.DEAD, OutboxStatus.HELD)
 
 #: The relay's order: id order. ``transaction_id`` is a deprecated column, always 0 (migration
 #: 0004 zeroed it for unpublished events), kept first so the relay index
@@ -134,7 +137,7 @@ def earlier_unpublished(events: models.QuerySet[Any], pk: Any) -> Exists:
 
     Among unpublished events relay order is id order: their ``transaction_id`` is always 0. So
     the test is ``id < pk``, one exact range of the index of unpublished events by key and id
-    (``django_idem_outbox_unpub_idx``), which ends at ``pk``. A row comparison on
+    (``django_idem_outbox_unsent_idx``), which ends at ``pk``. A row comparison on
     ``(transaction_id, id)`` said the same, but PostgreSQL ends an index range on a row
     comparison's first column only, so each test read every pending event of the key (10,000
     rows per candidate in a key 10,000 deep)."""
@@ -150,6 +153,9 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
 
     def dead(self) -> OutboxEventQuerySet:
         return self.filter(status=OutboxStatus.DEAD)
+
+    def held(self) -> OutboxEventQuerySet:
+        return self.filter(status=OutboxStatus.HELD)
 
     def unpublished(self) -> OutboxEventQuerySet:
         return self.filter(status__in=UNPUBLISHED)

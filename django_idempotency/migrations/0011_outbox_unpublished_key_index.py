@@ -9,10 +9,10 @@ is the database's only: the migration state does not change.
 
 from django.db import migrations
 
-from django_idempotency.db.indexes import OUTBOX_UNPUBLISHED
+from django_idempotency.db.indexes import OUTBOX_UNPUBLISHED_0011
 
-create_index = OUTBOX_UNPUBLISHED.create
-drop_index = OUTBOX_UNPUBLISHED.drop
+create_index = OUTBOX_UNPUBLISHED_0011.create
+drop_index = OUTBOX_UNPUBLISHED_0011.drop
 
 
 class Migration(migrations.Migration):

@@ -26,6 +26,7 @@ from django_idempotency.db import database_now
 from django_idempotency.db.batches import Row, locked_batches
 from django_idempotency.db.querysets import OutboxEventQuerySet, OutboxStatus, lease_free_q
 from django_idempotency.models import FailedMessage, IdempotencyRecord, OutboxEvent
+from django_idempotency.outbox import holding
 from django_idempotency.outbox.publish import kick_after_commit
 
 __all__ = [
@@ -267,7 +268,12 @@ def _change_failed_events(
             batch = batch.filter(matching)
             not_matching = len(rows) - batch.count()
         in_flight = batch.leased(now).count()
-        changed = apply(batch.failed().filter(lease_free_q(now)), now)
+        changing = batch.failed().filter(lease_free_q(now))
+        keys = set(changing.exclude(key="").values_list("key", flat=True))
+        changed = apply(changing, now)
+        # Retried or gone, the failed events hold nothing back: the events set aside behind
+        # them go back to PENDING in this transaction (outbox/holding.py).
+        holding.release(OutboxEvent.objects.using(using), keys)
         not_failed = len(rows) - not_matching - changed - in_flight
         return EventResult(changed, in_flight, not_failed, not_matching)
 

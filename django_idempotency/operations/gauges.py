@@ -50,7 +50,7 @@ class OutboxCollector:
         except DatabaseError:
             logger.warning("outbox gauges: the database could not be read", exc_info=True)
             return []
-        pending, oldest, dead, misconfigured = _outbox_families()
+        pending, oldest, dead, misconfigured, held = _outbox_families()
         pending.add_metric([], outbox.pending.value)
         age = 0.0
         if outbox.oldest_pending_at is not None:
@@ -58,7 +58,8 @@ class OutboxCollector:
         oldest.add_metric([], age)
         dead.add_metric([], outbox.dead.value)
         misconfigured.add_metric([], outbox.configuration_errors.value)
-        return [pending, oldest, dead, misconfigured]
+        held.add_metric([], outbox.held.value)
+        return [pending, oldest, dead, misconfigured, held]
 
     def _read(self) -> health.OutboxHealth:
         alias = self.using or router.db_for_read(OutboxEvent)
@@ -74,7 +75,7 @@ class OutboxCollector:
 
 
 def _outbox_families() -> tuple[
-    GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily
+    GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily
 ]:
     return (
         GaugeMetricFamily(
@@ -95,5 +96,10 @@ def _outbox_families() -> tuple[
             "broker refused the route: credentials, permissions, a missing stream or exchange; "
             "or no route): retried every OUTBOX_BACKOFF_MAX_SECONDS until a person fixes it. "
             "Counted among the first 10,000 pending events: a lower bound above that.",
+        ),
+        GaugeMetricFamily(
+            PREFIX + "outbox_held_events",
+            "Outbox events HELD behind a failed (backing off or DEAD) event of their key: they "
+            "follow it once it is published, retried or discarded.",
         ),
     )

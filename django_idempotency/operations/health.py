@@ -159,6 +159,8 @@ class OutboxHealth:
     oldest_pending_at: datetime | None
     #: DEAD events, waiting for a person.
     dead: RowCount
+    #: HELD events: queued behind a failed event of their key (outbox/holding.py).
+    held: RowCount
     #: PENDING events whose latest attempt failed on a configuration error (the broker refused
     #: the route: credentials, permissions, a missing stream or exchange; or no route), among
     #: the first ``COUNT_LIMIT`` in the relay's order: a lower bound when more are pending.
@@ -185,6 +187,7 @@ def outbox_health(using: str | None = None) -> OutboxHealth:
         pending=count_rows(pending),
         oldest_pending_at=min(head[:OLDEST_PENDING_SAMPLE], default=None),
         dead=count_rows(events.dead()),
+        held=count_rows(events.held()),
         configuration_errors=RowCount(
             head_kinds["configuration"],
             "at_least" if head_kinds["read"] >= COUNT_LIMIT else "exact",
@@ -210,6 +213,11 @@ def outbox_section(now: datetime) -> Section:
                 str(outbox.dead),
                 f"status__exact={OutboxStatus.DEAD}",
                 alert=outbox.dead.value > 0,
+            ),
+            Figure(
+                _("held behind failed events"),
+                str(outbox.held),
+                f"status__exact={OutboxStatus.HELD}",
             ),
             Figure(
                 _("configuration errors"),

@@ -285,7 +285,7 @@ def flow_query(win: Window) -> QuerySet[Any, Any]:
     left the backlog (None: it has not) and its status."""
     start = win.start
     events = OutboxEvent.objects.filter(
-        Q(status=OutboxStatus.PENDING)
+        Q(status__in=(OutboxStatus.PENDING, OutboxStatus.HELD))
         | Q(status=OutboxStatus.PUBLISHED, published_at__gte=start)
         | Q(status=OutboxStatus.DEAD, last_failed_at__gte=start)
     )

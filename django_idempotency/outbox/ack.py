@@ -8,7 +8,8 @@ short transaction, the lock let go after it.
 
 A failed event waits a backoff (:func:`backoff_delay`) measured by the database's clock, or is
 DEAD after its last attempt; a failure that says nothing about the event (an unreachable broker,
-a route that is wrong) never makes it DEAD.
+a route that is wrong) never makes it DEAD. The events queued behind it on its key are set aside
+(HELD) in the same transaction, and released by the one that publishes it (holding.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from django_idempotency.db import postgresql, prepared, rows, session_locks
 from django_idempotency.db.querysets import OutboxEventQuerySet, OutboxStatus
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox.clock import DatabaseClock
+from django_idempotency.outbox.holding import KeyChanges
 from django_idempotency.outbox.publish import NOTIFY_CHANNEL
 from django_idempotency.outbox.report import RelayStats
 
@@ -112,11 +114,16 @@ def acknowledge(
         rng,
     )
     untried = [event.pk for event in events if event.pk not in outcomes]
+    keys = KeyChanges.after(sent, (failure.event for failure in failures))
     if connections[using].vendor == "postgresql":
         notify = wake and conf.OUTBOX_NOTIFY
-        owned = _ack_in_one_statement(using, token, now, sent, failures, untried, notify)
+        # The events behind the batch's keys change in the same transaction (holding.py); a
+        # batch with no failure, now or before, stays one statement in autocommit.
+        with transaction.atomic(using=using) if keys else contextlib.nullcontext():
+            owned = _ack_in_one_statement(using, token, now, sent, failures, untried, notify)
+            keys.apply(outbox, owned, now)
     else:
-        owned = _ack_in_a_transaction(outbox, token, now, sent, failures, untried)
+        owned = _ack_in_a_transaction(outbox, token, now, sent, failures, untried, keys)
     stats = RelayStats(claimed=len(events))
     stats.lost = sum(1 for event in events if event.pk in outcomes and event.pk not in owned)
     stats.released = sum(1 for pk in untried if pk in owned)
@@ -222,6 +229,7 @@ def _ack_in_a_transaction(
     sent: list[OutboxEvent],
     failures: list[Failure],
     untried: list[int],
+    keys: KeyChanges,
 ) -> set[int]:
     """MariaDB, MySQL and SQLite: one short transaction of several statements, then the
     lock let go; the ids of the events it changed."""
@@ -241,6 +249,7 @@ def _ack_in_a_transaction(
                 )
         if untried:
             mine.filter(pk__in=untried).update(locked_until=None, relay_token=None)
+        keys.apply(outbox, owned, now)
     if session_locks.enabled(using) and token is not None:
         # After the commit: until then the batch's rows still carry the token. A lock lost
         # with a broken connection needs no letting go.

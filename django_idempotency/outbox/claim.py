@@ -73,11 +73,14 @@ class _Claim:
         """Due events in relay order that no earlier event with their key holds back."""
         events = self.outbox
         # An earlier event that this very claim could take does not block: it sorts first and
-        # lands in the same batch. One that is DEAD, backing off or leased elsewhere does. On
+        # lands in the same batch. One that is DEAD, HELD, backing off or leased elsewhere does.
+        # (HELD events themselves are not PENDING, so the scan never reads them: holding.py.) On
         # the key's index range of unpublished events: the planner cannot serve it from an
         # index on the status alone, which reads every DEAD event of the outbox.
         holding = events.filter(key=OuterRef("key"), status__in=UNPUBLISHED).filter(
-            Q(status=OutboxStatus.DEAD) | backing_off_q(now) | Q(locked_until__gt=now)
+            Q(status__in=(OutboxStatus.DEAD, OutboxStatus.HELD))
+            | backing_off_q(now)
+            | Q(locked_until__gt=now)
         )
         blocked = earlier_unpublished(holding, OuterRef("pk"))
         return events.due(now).filter(Q(key="") | ~blocked).in_relay_order()

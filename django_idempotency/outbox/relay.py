@@ -61,6 +61,7 @@ from django_idempotency.outbox.announce import announce
 from django_idempotency.outbox.claim import claim_batch
 from django_idempotency.outbox.clock import DatabaseClock
 from django_idempotency.outbox.fleet import GoneRelays, Seating
+from django_idempotency.outbox.holding import tend
 from django_idempotency.outbox.lease import LeaseRenewal
 from django_idempotency.outbox.report import RelayStats, RouteFailure, RouteFailures
 from django_idempotency.outbox.send import Outcomes, Sender
@@ -74,6 +75,9 @@ logger = logging.getLogger(__name__)
 _LEASE_BUDGET = 0.8
 #: Seconds between attempts when the database is unreachable (the poll may be far longer).
 _DATABASE_RETRY_SECONDS = 1.0
+#: How often (seconds) a relay that runs for good tends the events set aside behind failed ones
+#: (holding.py): what arrived behind them since, and what nothing holds any more.
+TEND_SECONDS = 60.0
 
 
 class Relay:
@@ -120,6 +124,8 @@ class Relay:
         self._gone_relays = GoneRelays(self.using)
         #: This relay's seat among the relays, when it shares the keys.
         self._seating = Seating(self.using)
+        #: When (monotonic) this relay tends the HELD events next: on its first pass in a loop.
+        self._next_tend = 0.0
 
     def __enter__(self) -> Relay:
         return self
@@ -236,6 +242,21 @@ class Relay:
         )
         return stats
 
+    def tend(self) -> None:
+        """Set aside the events that arrived behind failed ones, and release the HELD events
+        that nothing holds any more (holding.py); a relay that runs for good does it every
+        ``TEND_SECONDS``."""
+        self._next_tend = time.monotonic() + TEND_SECONDS
+        now = DatabaseClock.read(connections[self.using]).now()
+        tended = tend(self._outbox(), now)
+        if tended.set_aside or tended.released:
+            logger.info(
+                "outbox relay set aside %d events behind failed ones and released %d",
+                tended.set_aside,
+                tended.released,
+                extra={"outbox_set_aside": tended.set_aside, "outbox_released": tended.released},
+            )
+
     def drain(self, max_batches: int | None = None) -> RelayStats:
         """Passes until nothing is due (or ``max_batches``)."""
         total = RelayStats()
@@ -269,6 +290,8 @@ class Relay:
                 # new short transactions, so none reads an old snapshot.
                 close_old_connections()
                 try:
+                    if time.monotonic() >= self._next_tend:
+                        self.tend()
                     stats = self.run_once()
                 except DatabaseError:
                     logger.warning("outbox relay pass failed; retrying", exc_info=True)

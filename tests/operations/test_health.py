@@ -132,6 +132,7 @@ def test_outbox_section():
         ("pending", "4", "status__exact=PENDING", False),
         ("oldest pending", "5\xa0minutes", "status__exact=PENDING", True),
         ("dead", "3", "status__exact=DEAD", True),
+        ("held behind failed events", "0", "status__exact=HELD", False),
         (
             "configuration errors",
             "1",

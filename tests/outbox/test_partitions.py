@@ -112,11 +112,11 @@ def test_the_migration_keeps_every_event_and_goes_back(partitioned):
 
 def unpublished_index() -> tuple[str, str]:
     """The kind (``I``: partitioned, ``i``: plain) and definition of the index of unpublished
-    events by key (migration 0011)."""
+    events by key (migration 0012)."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT c.relkind, pg_get_indexdef(c.oid) FROM pg_class c WHERE c.relname = %s",
-            ["django_idem_outbox_unpub_idx"],
+            ["django_idem_outbox_unsent_idx"],
         )
         kind, definition = cursor.fetchone()
     return kind, definition
@@ -129,10 +129,11 @@ def test_the_partial_index_of_unpublished_events_keeps_its_condition_through_the
 
     from django.apps import apps
 
-    migration = importlib.import_module(
-        "django_idempotency.migrations.0011_outbox_unpublished_key_index"
+    migration = importlib.import_module("django_idempotency.migrations.0012_outbox_held_status")
+    condition = (
+        "WHERE ((status)::text = ANY ((ARRAY['PENDING'::character varying, 'DEAD'::character "
+        "varying, 'HELD'::"
     )
-    condition = "WHERE ((status)::text = ANY ((ARRAY['PENDING'::character varying, 'DEAD'::"
     for expected_kind, move in (("I", partitioned), ("i", partitions.unpartition_table)):
         if move is partitioned:
             move()

@@ -20,6 +20,7 @@ from django_idempotency.db import postgresql
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox import claim as claim_module
 from django_idempotency.outbox.relay import Relay
+from tests.support.outbox_support import CeilingRandom
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -150,3 +151,54 @@ def test_control_with_bitmap_scans_allowed_the_held_claim_reads_each_keys_histor
         assert touched > 15 * 20_000, touched
         _, guarded = buffers(relay)
     assert touched > 5 * guarded
+
+
+def every_keys_head_failed(relay: Relay) -> None:
+    """One real pass whose publisher refuses everything: the first event of every key fails
+    (a backoff of a second or more), and its acknowledgement sets aside what is behind it."""
+    from django_idempotency.publishers.memory import broker
+
+    broker.fail_when(lambda message: True)
+    try:
+        relay.rng = CeilingRandom()
+        assert relay.run_once().failed == KEYS
+    finally:
+        broker.fail_when(None)
+        broker.clear()
+
+
+def test_a_claim_with_100000_events_behind_failed_ones_reads_only_the_failed_ones(
+    relay, idempotency_settings
+):
+    """Blocked keys cost a claim nothing: the events behind the failed heads are HELD, out of
+    the relay index's range of PENDING events, so the claim reads the 100 heads and stops."""
+    idempotency_settings(OUTBOX_BACKOFF_BASE_SECONDS=600)
+    fill(100_000)
+    every_keys_head_failed(relay)
+    assert OutboxEvent.objects.held().count() == 100_000 - KEYS
+    analyze()
+    # The first scan after the set-aside steps over the index entries the events left as
+    # PENDING, once, and marks them dead (as a vacuum would): from then on, claims read the
+    # heads only.
+    first = buffers(relay)
+    claimed, touched = buffers(relay)
+    assert claimed == 0
+    assert touched < 20 * KEYS, (first, touched)
+
+
+def test_control_not_set_aside_the_blocked_events_are_read_on_every_claim(
+    monkeypatch, idempotency_settings
+):
+    """The guard removed (nothing set aside, as before HELD): each claim reads every event
+    queued behind the failed heads."""
+    from django_idempotency.outbox import holding
+
+    monkeypatch.setattr(holding, "set_aside", lambda *args, **kwargs: 0)
+    idempotency_settings(OUTBOX_BACKOFF_BASE_SECONDS=600)
+    with Relay() as relay:
+        fill(20_000)
+        every_keys_head_failed(relay)
+        analyze()
+        claimed, touched = buffers(relay)
+    assert claimed == 0
+    assert touched > 20_000, touched
