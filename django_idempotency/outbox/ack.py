@@ -114,7 +114,7 @@ def acknowledge(
         rng,
     )
     untried = [event.pk for event in events if event.pk not in outcomes]
-    keys = KeyChanges.after(sent, (failure.event for failure in failures))
+    keys = KeyChanges.after(sent, ((f.event, f.changes) for f in failures), now)
     if connections[using].vendor == "postgresql":
         notify = wake and conf.OUTBOX_NOTIFY
         # The events behind the batch's keys change in the same transaction (holding.py); a

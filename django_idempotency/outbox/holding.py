@@ -12,7 +12,8 @@ earlier unpublished one, as they count a PENDING one, so setting an event back t
 always safe. Only setting one aside needs care, because a HELD event nobody releases waits for
 ever:
 
-* events are set aside in the transaction that records their key's failure (ack.py), or by
+* events are set aside (only behind a failed event that is DEAD or waits at least
+  ``HOLD_AFTER_SECONDS`` for its retry) in the transaction that records it (ack.py), or by
   :func:`tend` under the lock of the failed event's row, so no relay can publish that event
   and release its key in between;
 * the transaction that publishes a once-failed event, or retries or discards a failed one
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import connections, transaction
 from django.db.models import Min, OuterRef, Q
@@ -41,6 +43,12 @@ from django_idempotency.models import OutboxEvent
 
 __all__ = ["KeyChanges", "release", "set_aside", "tend"]
 
+#: A failed event whose retry is at least this far away (seconds), or that is DEAD, has the
+#: events behind it set aside. A shorter wait keeps them PENDING: the claims that read them until
+#: the retry cost less than setting them aside and releasing them again, which writes every
+#: event behind the failed one twice (one failure in ten, retried within a second, drained 3 x
+#: slower that way).
+HOLD_AFTER_SECONDS = 5.0
 #: Keys per statement, so a batch that failed on many keys stays a few short statements.
 _KEYS_PER_STATEMENT = 100
 #: Failed events whose keys one tend looks at; the next tend takes the rest.
@@ -89,12 +97,27 @@ class KeyChanges:
     failed: dict[int, str] = field(default_factory=dict)
 
     @classmethod
-    def after(cls, sent: Iterable[OutboxEvent], failed: Iterable[OutboxEvent]) -> KeyChanges:
-        # Only an event that failed before can have events set aside behind it: a retried one
-        # released its key when it was retried (attempts back to 0).
+    def after(
+        cls,
+        sent: Iterable[OutboxEvent],
+        failed: Iterable[tuple[OutboxEvent, Mapping[str, Any]]],
+        now: datetime,
+    ) -> KeyChanges:
+        """For a batch's ``sent`` events and its ``failed`` ones with their changes."""
+        waits_long = _waits_long(now)
         return cls(
+            # Only an event that failed before can have events set aside behind it: a retried
+            # one released its key when it was retried (attempts back to 0).
             released={event.pk: event.key for event in sent if event.key and event.attempts},
-            failed={event.pk: event.key for event in failed if event.key},
+            failed={
+                event.pk: event.key
+                for event, changes in failed
+                if event.key
+                and (
+                    changes["status"] == OutboxStatus.DEAD
+                    or changes["next_attempt_at"] >= waits_long
+                )
+            },
         )
 
     def __bool__(self) -> bool:
@@ -109,6 +132,10 @@ class KeyChanges:
                 heads[key] = min(pk, heads.get(key, pk))
         if heads:
             set_aside(outbox, heads, now)
+
+
+def _waits_long(now: datetime) -> datetime:
+    return now + timedelta(seconds=HOLD_AFTER_SECONDS)
 
 
 def _locked(failed: OutboxEventQuerySet, using: str) -> OutboxEventQuerySet:
@@ -139,6 +166,7 @@ def tend(outbox: OutboxEventQuerySet, now: datetime) -> Tended:
             outbox.failed()
             .exclude(key="")
             .filter(lease_free_q(now), failure_fingerprint__isnull=False)
+            .filter(Q(status=OutboxStatus.DEAD) | Q(next_attempt_at__gte=_waits_long(now)))
             .order_by()
         )
         heads: dict[str, int] = {}
