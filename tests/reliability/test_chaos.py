@@ -52,7 +52,10 @@ def test_short_chaos_run_keeps_every_effect_exactly_once(
         named(planned.kind, label) for planned in SHORT
     ]
     figures = report.figures
-    assert figures["payments"] > 100
+    # Load: more than two payments per client in each of the two phases. Alone on the 2-core
+    # host a run makes about 850; CI runs it beside another pass sharing the database server,
+    # where one run made 71.
+    assert figures["payments"] > 2 * ChaosConfig.short().clients * 2
     assert figures["events"] == figures["payments"]
     assert figures["5xx_inside_db_down"] > 0, "no client saw the database go away"
     assert "inside a payment's transaction" in " ".join(f["detail"] for f in report.faults)
