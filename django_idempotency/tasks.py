@@ -66,10 +66,12 @@ def _task(func: F) -> F:
 @_task
 def relay_outbox(batch_size: int | None = None, max_batches: int = 50) -> dict[str, int]:
     """Publish due outbox events until none are left (or ``max_batches``); returns the pass's
-    :class:`~django_idempotency.outbox.report.RelayStats` as a dict."""
+    :class:`~django_idempotency.outbox.report.RelayStats` as a dict. About once a minute per
+    worker process it first tends the events held behind failed ones."""
     from django_idempotency.outbox.relay import Relay
 
     with Relay(batch_size=batch_size) as relay:
+        relay.tend_if_due()
         return relay.drain(max_batches=max_batches).as_dict()
 
 
@@ -192,6 +194,7 @@ def _relay_here(using: str) -> None:
 
     try:
         with Relay(using=using) as relay:
+            relay.tend_if_due()
             relay.drain()
     finally:
         # Nothing else ends this thread's connection (no request finishes here): close it, so

@@ -75,9 +75,12 @@ logger = logging.getLogger(__name__)
 _LEASE_BUDGET = 0.8
 #: Seconds between attempts when the database is unreachable (the poll may be far longer).
 _DATABASE_RETRY_SECONDS = 1.0
-#: How often (seconds) a relay that runs for good tends the events set aside behind failed ones
+#: How often (seconds) a process tends each database's events set aside behind failed ones
 #: (holding.py): what arrived behind them since, and what nothing holds any more.
 TEND_SECONDS = 60.0
+#: When (monotonic) this process tends each database's outbox next. Per process, not per relay:
+#: the Celery task builds a relay per run, and a loop's relay should not tend again beside it.
+_next_tend: dict[str, float] = {}
 
 
 class Relay:
@@ -124,8 +127,6 @@ class Relay:
         self._gone_relays = GoneRelays(self.using)
         #: This relay's seat among the relays, when it shares the keys.
         self._seating = Seating(self.using)
-        #: When (monotonic) this relay tends the HELD events next: on its first pass in a loop.
-        self._next_tend = 0.0
 
     def __enter__(self) -> Relay:
         return self
@@ -242,11 +243,16 @@ class Relay:
         )
         return stats
 
+    def tend_if_due(self) -> None:
+        """:meth:`tend`, if this process has not tended this database in ``TEND_SECONDS``: the
+        loop and the Celery task call it before their passes."""
+        if time.monotonic() >= _next_tend.get(self.using, 0.0):
+            self.tend()
+
     def tend(self) -> None:
         """Set aside the events that arrived behind failed ones, and release the HELD events
-        that nothing holds any more (holding.py); a relay that runs for good does it every
-        ``TEND_SECONDS``."""
-        self._next_tend = time.monotonic() + TEND_SECONDS
+        that nothing holds any more (holding.py)."""
+        _next_tend[self.using] = time.monotonic() + TEND_SECONDS
         now = DatabaseClock.read(connections[self.using]).now()
         tended = tend(self._outbox(), now)
         if tended.set_aside or tended.released:
@@ -290,8 +296,7 @@ class Relay:
                 # new short transactions, so none reads an old snapshot.
                 close_old_connections()
                 try:
-                    if time.monotonic() >= self._next_tend:
-                        self.tend()
+                    self.tend_if_due()
                     stats = self.run_once()
                 except DatabaseError:
                     logger.warning("outbox relay pass failed; retrying", exc_info=True)

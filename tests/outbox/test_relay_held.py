@@ -105,6 +105,26 @@ def test_tend_sets_aside_what_arrived_behind_a_failed_event_and_releases_what_no
     assert sent() == [1, 2]
 
 
+def test_the_celery_task_tends_once_a_minute_per_process(idempotency_settings, monkeypatch):
+    """Deployments that relay only with the ``relay_outbox`` task tend too: the task tends before
+    its pass when this process has not tended in ``TEND_SECONDS``."""
+    from django_idempotency.outbox import relay as relay_module
+    from django_idempotency.tasks import relay_outbox
+
+    idempotency_settings(OUTBOX_BACKOFF_BASE_SECONDS=60, OUTBOX_MAX_ATTEMPTS=1)
+    monkeypatch.setattr(relay_module, "_next_tend", {})
+    fail_first_then_drain(2)
+    publish_committed(payload={"n": 2}, key="order-1")  # arrives behind the DEAD event
+    relay_outbox()
+    assert statuses() == ["DEAD", "HELD", "HELD"]
+    OutboxEvent.objects.filter(status="DEAD").delete()  # by hand: nothing releases the key
+    relay_outbox()  # tended a moment ago: not again yet
+    assert (statuses(), sent()) == (["HELD", "HELD"], [])
+    monkeypatch.setattr(relay_module, "_next_tend", {connection.alias: 0.0})  # a minute later
+    relay_outbox()
+    assert (set(statuses()), sent()) == ({"PUBLISHED"}, [1, 2])
+
+
 def test_a_held_event_keeps_the_order_even_when_released_too_early():
     """HELD is a hint: an event released while its key's failed event still waits is held back
     by the claim's order check, as it was before events were set aside."""
