@@ -53,6 +53,7 @@ from django_idempotency.conf import conf
 from django_idempotency.core import leases
 from django_idempotency.db import database_now
 from django_idempotency.db.indexes import extra_indexes
+from django_idempotency.db.postgresql import OUTBOX_FILLFACTOR
 from django_idempotency.exceptions import IdempotencyConfigurationError
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 
@@ -134,6 +135,8 @@ class Layout:
     live_rows: str
     #: The column the table is partitioned on.
     partition_column: str = "created_at"
+    #: The storage parameters of each partition (``WITH (...)``); a partitioned parent has none.
+    storage: str = ""
 
     def using(self) -> str:
         return router.db_for_write(self.model)
@@ -205,6 +208,7 @@ OUTBOX = Layout(
     retention_setting="OUTBOX_RETENTION_SECONDS",
     task="maintain_outbox_partitions",
     live_rows="events that are not to be dropped yet",
+    storage=f"WITH (fillfactor = {OUTBOX_FILLFACTOR})",
 )
 INBOX = Layout(
     label="inbox",
@@ -320,7 +324,7 @@ def _partition_ddl(
     unique = ", ".join(_quote(using, layout.column(field)) for field in layout.unique_fields)
     return [
         f"CREATE TABLE {part} PARTITION OF {table} FOR VALUES FROM ('{start.isoformat()}') "
-        f"TO ('{end.isoformat()}')",
+        f"TO ('{end.isoformat()}') {layout.storage}",
         f"ALTER TABLE {part} ADD CONSTRAINT {_quote(using, name + '_pkey')} "
         f"PRIMARY KEY ({_quote(using, layout.column('id'))}), "
         f"ADD CONSTRAINT {_quote(using, name + layout.unique_suffix)} UNIQUE ({unique})",
@@ -695,7 +699,7 @@ def unpartition_table(*, verbose: Any = None, layout: Layout = RECORDS) -> float
         started = time.monotonic()
         cursor.execute(
             f"CREATE TABLE {qcopy} (LIKE {qtable} INCLUDING DEFAULTS INCLUDING IDENTITY "
-            f"INCLUDING STORAGE INCLUDING COMPRESSION)"
+            f"INCLUDING STORAGE INCLUDING COMPRESSION) {layout.storage}"
         )
         cursor.execute(f"INSERT INTO {qcopy} OVERRIDING SYSTEM VALUE SELECT * FROM {qtable}")
         next_id = _next_id(cursor, using, table, layout)

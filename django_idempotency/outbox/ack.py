@@ -206,13 +206,13 @@ def _ack_in_one_statement(
         *((pk, postgresql.ACK_UNTRIED, {}) for pk in untried),
     ]
     params: dict[str, Any] = {
-        "id": [pk for pk, _, _ in outcome_rows],
-        "kind": [kind for _, kind, _ in outcome_rows],
+        "id": _array_text([pk for pk, _, _ in outcome_rows]),
+        "kind": _array_text([kind for _, kind, _ in outcome_rows]),
         "now": now,
         "token": token,
     }
     for name in postgresql.ACK_COLUMNS:
-        params[name] = [changes.get(name) for _, _, changes in outcome_rows]
+        params[name] = _array_text([changes.get(name) for _, _, changes in outcome_rows])
     if relay_lock:
         assert token is not None
         params["relay_lock"] = session_locks.lock_id(token)
@@ -220,6 +220,30 @@ def _ack_in_one_statement(
         cursor.execute(_ack_statement(using, relay_lock, notify), params)
         changed = cursor.fetchone()[0]
     return set(changed)
+
+
+#: Strings that go into an array's text as they are: the outcome kinds and the statuses.
+_BARE_WORDS = frozenset(
+    {postgresql.ACK_SENT, postgresql.ACK_FAILED, postgresql.ACK_UNTRIED, *OutboxStatus.values}
+)
+
+
+def _array_text(values: list[Any]) -> str | list[Any]:
+    """PostgreSQL's text form of an array of ids, kinds, statuses and NULLs (what a batch with
+    no failure sends), which the statement casts to the column's array type; any other list
+    as it is, for psycopg. psycopg looks at every element of a list to choose its type: for a
+    batch's dozen arrays of 500, more time than the statement's own round trip."""
+    parts = []
+    for value in values:
+        if value is None:
+            parts.append("NULL")
+        elif type(value) is int:
+            parts.append(str(value))
+        elif isinstance(value, str) and value in _BARE_WORDS:  # statuses are str subclasses
+            parts.append(value)
+        else:
+            return values
+    return "{" + ",".join(parts) + "}"
 
 
 def _ack_in_a_transaction(

@@ -152,16 +152,28 @@ class PublisherSet:
 
     def __init__(self) -> None:
         self._publishers: dict[Route, Publisher] = {}
+        #: Each topic's publisher, for the routes it was resolved from: a relay resolves a
+        #: topic once, not once per event (a route's patterns are matched in turn).
+        self._by_topic: dict[str, Publisher] = {}
+        self._routes: Mapping[str, Any] | None = None
 
     def for_topic(self, topic: str) -> Publisher:
-        route = resolve_route(topic)
+        routes = conf.OUTBOX_PUBLISHERS
+        if routes is not self._routes:  # parsed again: the setting changed
+            self._routes, self._by_topic = routes, {}
+        publisher = self._by_topic.get(topic)
+        if publisher is not None:
+            return publisher
+        route = resolve_route(topic, routes)
         key = Route(route.pattern, route.backend, _freeze(route.options))
         if key not in self._publishers:
             self._publishers[key] = build(route)
-        return self._publishers[key]
+        publisher = self._by_topic[topic] = self._publishers[key]
+        return publisher
 
     def close(self) -> None:
         publishers, self._publishers = list(self._publishers.values()), {}
+        self._by_topic = {}
         for publisher in publishers:
             publisher.close()
 

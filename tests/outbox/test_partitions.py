@@ -151,6 +151,44 @@ def test_the_partial_index_of_unpublished_events_keeps_its_condition_through_the
         assert unpublished_index() == (kind, definition)
 
 
+def fillfactors() -> dict[str, list[str] | None]:
+    """The storage parameters of the outbox table, or of each of its partitions."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT c.relname, c.reloptions FROM pg_class c WHERE c.oid IN ("
+            "SELECT %s::regclass WHERE NOT EXISTS (SELECT 1 FROM pg_partitioned_table "
+            "WHERE partrelid = %s::regclass) "
+            "UNION ALL SELECT inhrelid FROM pg_inherits WHERE inhparent = %s::regclass)",
+            [TABLE] * 3,
+        )
+        return dict(cursor.fetchall())
+
+
+def test_every_outbox_table_keeps_room_for_the_claims_version_through_the_moves(partitioned):
+    """The fillfactor that makes the claim's update HOT (migration 0013) is on the plain table,
+    on each partition (the old table and those created ahead), and back on the plain table."""
+    import importlib
+
+    from django.apps import apps
+
+    from django_idempotency.db.postgresql import OUTBOX_FILLFACTOR
+
+    migration = importlib.import_module("django_idempotency.migrations.0013_outbox_fillfactor")
+    expected = [f"fillfactor={OUTBOX_FILLFACTOR}"]
+    assert fillfactors() == {TABLE: expected}
+    partitioned()
+    tables = fillfactors()
+    assert LEGACY in tables and len(tables) > 1
+    assert set(map(tuple, tables.values())) == {tuple(expected)}
+    with connection.schema_editor() as editor:  # the migration, on this layout, back and forth
+        migration.Migration.operations[0].reverse_code(apps, editor)
+        assert set(fillfactors().values()) == {None}
+        migration.Migration.operations[0].code(apps, editor)
+    assert fillfactors() == tables
+    partitions.unpartition_table(layout=OUTBOX)
+    assert fillfactors() == {TABLE: expected}
+
+
 def test_partitioning_the_outbox_needs_its_setting(transactional_db):
     from django_idempotency.exceptions import IdempotencyConfigurationError
 
