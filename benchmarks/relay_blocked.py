@@ -27,7 +27,6 @@ import django  # noqa: E402
 
 django.setup()
 
-from django.core.management import call_command  # noqa: E402
 from django.db import connection  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
@@ -57,7 +56,16 @@ def main() -> None:
     parser.add_argument("--backoff", action="store_true", help="heads back off instead of DEAD")
     parser.add_argument("--claims", type=int, default=5)
     args = parser.parse_args()
-    call_command("migrate", verbosity=0)
+    # A database of its own, migrated by this checkout, as relay_deployed.py does.
+    old_name = connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
+    try:
+        run(args)
+    finally:
+        connection.close()
+        connection.creation.destroy_test_db(old_name, verbosity=0)
+
+
+def run(args: argparse.Namespace) -> None:
     stage(args.events, args.keys)
     block_every_key_but_one(args.backoff)
     blocked = "backing off" if args.backoff else "DEAD"
