@@ -441,9 +441,12 @@ def test_a_relay_whose_clock_runs_ahead_cannot_claim_an_event_another_relay_hold
     assert [m.event_id for m in broker.snapshot()] == [event.event_id]
 
 
-def test_a_relay_whose_clock_runs_behind_schedules_backoff_by_the_database():
+def test_a_relay_whose_clock_runs_behind_schedules_backoff_by_the_database(idempotency_settings):
     if connection.vendor == "sqlite":
         pytest.skip("SQLite has no clock of its own: its processes share one machine's")
+    # A backoff of seconds (8 s with this seed), so the retry is not due by the time the
+    # second relay looks, however slow the host (at the default 1 s base it was 134 ms).
+    idempotency_settings(OUTBOX_BACKOFF_BASE_SECONDS=60)
     event = publish_committed()
     broker.fail_when(lambda m: True)
     before = database_now()

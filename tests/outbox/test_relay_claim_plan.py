@@ -117,6 +117,10 @@ def test_a_claim_in_keys_25000_deep_reads_a_batchs_worth(relay):
     """Two keys 25,000 events deep: each candidate's test of the events before it ends at the
     candidate, instead of reading the rest of its key."""
     fill(50_000, keys=2)
+    # Statistics of this table. Left with those of an earlier test's 100 shallow keys (and a
+    # table the partition tests rebuilt), the planner has served these checks from the older
+    # (key, status, ...) index, whose range does not end at the candidate (268,187 buffers).
+    analyze()
     claimed, touched = buffers(relay)
     assert claimed == relay.batch_size
     assert touched < 100 * relay.batch_size, touched

