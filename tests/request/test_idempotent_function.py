@@ -476,21 +476,39 @@ def take_over(ident: Identity) -> Any:
 
 
 @pytest.mark.skipif(ON_SQLITE, reason="SQLite has no heartbeat: one writer at a time")
-def test_the_heartbeat_keeps_a_long_call_its_key():
-    @idempotent_function(key="n", lease=1, heartbeat=True)
+@pytest.mark.parametrize("heartbeat", [True, False], ids=["heartbeat", "control-without"])
+def test_the_heartbeat_keeps_a_long_call_its_key(heartbeat: bool):
+    running, finish = threading.Event(), threading.Event()
+
+    @idempotent_function(key="n", lease=1, heartbeat=heartbeat)
     def long_call(n: int) -> str:
         calls["long_call"] += 1
-        time.sleep(2.5)
+        if calls["long_call"] == 1:
+            running.set()
+            finish.wait(30)  # the first call runs until the second one has been tried
         return "finished"
 
-    first = threading.Thread(target=lambda: call_from_threads(1, long_call, 1))
+    outcome: list[Any] = []
+    first = threading.Thread(target=lambda: outcome.extend(call_from_threads(1, long_call, 1)))
     first.start()
-    time.sleep(2)  # twice the lease: without the heartbeat the key could be taken over
-    with pytest.raises(IdempotentCallInProgress):
-        long_call(1)
-    first.join(30)
-    assert long_call(1) == "finished"
-    assert calls["long_call"] == 1
+    try:
+        assert running.wait(30)
+        time.sleep(2)  # twice the lease: without the heartbeat the key can be taken over
+        if heartbeat:
+            with pytest.raises(IdempotentCallInProgress):
+                long_call(1)
+        else:
+            assert long_call(1) == "finished"  # taken over: the second call ran it
+    finally:
+        finish.set()
+        first.join(30)
+    if heartbeat:
+        assert outcome == ["finished"]
+        assert long_call(1) == "finished"
+        assert calls["long_call"] == 1
+    else:
+        assert isinstance(outcome[0], LeaseLost)
+        assert calls["long_call"] == 2
 
 
 # --- lease and TTL ----------------------------------------------------------------------------
