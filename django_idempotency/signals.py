@@ -81,6 +81,11 @@ event_enqueued = Signal()
 #: kwargs: ``event``, ``publisher`` (the publisher's class name).
 event_published = Signal()
 
+#: The same, once per batch and publisher: what a receiver that counts or ships events in bulk
+#: should listen to (``event_published`` costs a dispatch per event). kwargs: ``events`` (a list
+#: of :class:`OutboxEvent`, in the order they were sent), ``publisher``.
+events_published = Signal()
+
 #: Publishing an event failed; it is retried at ``next_attempt_at``, or is DEAD when that is None.
 #: kwargs: ``event``, ``error`` (the exception), ``attempts`` (failures so far),
 #: ``next_attempt_at``.

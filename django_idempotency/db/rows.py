@@ -11,14 +11,15 @@ the ORM read.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar, cast
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Field, Model
+from django.db.models import Field, Model, signals
+from django.db.models.base import ModelState
 
-__all__ = ["attnames", "concrete_fields", "from_row", "quoted_column", "quoted_table"]
+__all__ = ["attnames", "concrete_fields", "from_row", "from_rows", "quoted_column", "quoted_table"]
 
 _M = TypeVar("_M", bound=Model)
 
@@ -41,16 +42,54 @@ def attnames(model: type[Model]) -> tuple[str, ...]:
 def from_row(model: type[_M], using: str, values: Sequence[Any]) -> _M:
     """An instance from its concrete columns (in :func:`concrete_fields` order) as a cursor on
     ``using`` returned them, each converted as the ORM converts it."""
+    return from_rows(model, using, [values])[0]
+
+
+def from_rows(model: type[_M], using: str, rows: Iterable[Sequence[Any]]) -> list[_M]:
+    """:func:`from_row` for each of ``rows``.
+
+    A relay builds hundreds of instances per claim. ``Model.__init__`` sets each field through
+    ``setattr`` and sends ``pre_init`` and ``post_init``; where that would change nothing (no
+    receiver of either, no field whose attribute has a setter, ``from_db`` and ``__init__`` the
+    model's own), the instances are built by filling their ``__dict__``, the same state in a
+    fifth of the time.
+    """
     connection = connections[using]
-    converted = list(values)
-    # Only the columns that have converters (JSON, and timestamps on SQLite): a relay's batch
-    # builds hundreds of instances per claim, most of whose columns arrive ready.
-    for index, column, converters in _converters(model, using):
-        value = converted[index]
-        for convert in converters:
-            value = convert(value, column, connection)
-        converted[index] = value
-    return model.from_db(using, attnames(model), converted)
+    # Only the columns that have converters (JSON, and timestamps on SQLite): most of a
+    # batch's columns arrive ready.
+    converting = _converters(model, using)
+    names = attnames(model)
+    plain = _plain(model) and not (
+        signals.pre_init.has_listeners(model) or signals.post_init.has_listeners(model)
+    )
+    instances = []
+    for values in rows:
+        converted = list(values)
+        for index, column, converters in converting:
+            value = converted[index]
+            for convert in converters:
+                value = convert(value, column, connection)
+            converted[index] = value
+        if plain and len(converted) == len(names):
+            instance = model.__new__(model)
+            instance.__dict__.update(zip(names, converted, strict=True))
+            instance._state = state = ModelState()
+            state.adding, state.db = False, using
+        else:
+            instance = model.from_db(using, names, converted)
+        instances.append(instance)
+    return instances
+
+
+@functools.cache
+def _plain(model: type[Model]) -> bool:
+    """Whether filling an instance's ``__dict__`` builds what ``from_db`` builds, receivers of
+    the init signals aside."""
+    return (
+        model.__init__ is Model.__init__
+        and model.from_db.__func__ is Model.from_db.__func__  # type: ignore[attr-defined]
+        and not any(hasattr(getattr(model, name, None), "__set__") for name in attnames(model))
+    )
 
 
 @functools.lru_cache(maxsize=32)

@@ -153,12 +153,13 @@ def _time_claim(sender: Any, *, outcome: str, duration: float, **kwargs: Any) ->
         CLAIM_DURATION.labels(outcome=outcome).observe(duration)
 
 
-def _count_published(sender: Any, *, event: Any, publisher: str = "", **kwargs: Any) -> None:
+def _count_published(sender: Any, *, events: list[Any], publisher: str = "", **kwargs: Any) -> None:
     if conf.METRICS:
-        OUTBOX_PUBLISHED.labels(publisher=publisher or "unknown").inc()
-        if event.published_at is not None and event.created_at is not None:
-            waited = (event.published_at - event.created_at).total_seconds()
-            OUTBOX_PUBLISH_LATENCY.observe(max(waited, 0.0))
+        OUTBOX_PUBLISHED.labels(publisher=publisher or "unknown").inc(len(events))
+        observe = OUTBOX_PUBLISH_LATENCY.observe
+        for event in events:
+            if event.published_at is not None and event.created_at is not None:
+                observe(max((event.published_at - event.created_at).total_seconds(), 0.0))
 
 
 def _count_publish_failure(sender: Any, *, error: BaseException, **kwargs: Any) -> None:
@@ -200,7 +201,7 @@ RECEIVERS: tuple[tuple[Signal, Receiver], ...] = (
     (signals.request_completed, _counting(COMPLETIONS)),
     (signals.key_released, _counting_by(RELEASES, "reason")),
     (signals.claim_finished, _time_claim),
-    (signals.event_published, _count_published),
+    (signals.events_published, _count_published),
     (signals.publish_failed, _count_publish_failure),
     (signals.event_dead, _counting(OUTBOX_DEAD)),
     (signals.duplicate_skipped, _counting_by(CONSUMER_DUPLICATES, "consumer")),

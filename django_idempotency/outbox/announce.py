@@ -30,11 +30,15 @@ def announce(
     completes its stats (published, failed, dead). ``publisher_names``: the class each event
     went to, by event id, taken out as it is announced."""
     stats, now = acknowledged.stats, acknowledged.now
+    by_publisher: dict[str, list[OutboxEvent]] = {}
     for event in acknowledged.sent:
         event.status, event.published_at = OutboxStatus.PUBLISHED, now
         event.locked_until = event.relay_token = None
         publisher = publisher_names.pop(event.pk, "")
+        by_publisher.setdefault(publisher, []).append(event)
         signals.event_published.send(sender=OutboxEvent, event=event, publisher=publisher)
+    for publisher, events in by_publisher.items():
+        signals.events_published.send(sender=OutboxEvent, events=events, publisher=publisher)
     stats.published = len(acknowledged.sent)
     for failure in acknowledged.failures:
         event, error = failure.event, failure.error

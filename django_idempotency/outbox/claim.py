@@ -125,9 +125,9 @@ class _Claim:
         found = postgresql.fetch_outbox_claim(connection, statement, params)
         read_at, held = found[0][0], found[0][1]
         clock = DatabaseClock(read_at=to_datetime(read_at), monotonic=time.monotonic())
-        events = [
-            rows.from_row(OutboxEvent, self.using, row[2:]) for row in found if row[2] is not None
-        ]
+        events = rows.from_rows(
+            OutboxEvent, self.using, (row[2:] for row in found if row[2] is not None)
+        )
         if held and not events:
             # Nothing was left to lease once the lock was taken (the fence found every row
             # changed): let go of the lock of a batch that does not exist.

@@ -292,13 +292,12 @@ class Relay:
         busy = False  # the last pass claimed events
         with waiter(self.using) as wait:
             while not stop.is_set():
-                # Drops connections that broke or outlived CONN_MAX_AGE; every pass then starts
-                # new short transactions, so none reads an old snapshot.
-                close_old_connections()
+                self._between_passes(busy)
                 try:
                     self.tend_if_due()
                     stats = self.run_once()
                 except DatabaseError:
+                    busy = False  # the next pass checks the connection, and drops it if broken
                     logger.warning("outbox relay pass failed; retrying", exc_info=True)
                     # The database, not the outbox, decides when to try again: come back soon.
                     stop.wait(min(poll, _DATABASE_RETRY_SECONDS))
@@ -313,6 +312,16 @@ class Relay:
                 wait(self._sleep_at_most(poll), stop, busy)
                 busy = False
         self._give_up_unrecorded()
+
+    def _between_passes(self, busy: bool) -> None:
+        """Drop the connections that broke or outlived ``CONN_MAX_AGE``, as Django does between
+        requests, except that at ``CONN_MAX_AGE = 0`` (Django's default: a connection per
+        request) a run of passes that each claimed events counts as one request: reconnecting
+        for each batch cost the relay and the database more than the batch's own statements.
+        Each pass runs its own short transactions either way, so none reads an old snapshot."""
+        if busy and connections[self.using].settings_dict["CONN_MAX_AGE"] == 0:
+            return
+        close_old_connections()
 
     def _give_up_unrecorded(self) -> None:
         """On the way out: one last try to record kept outcomes, else say what happens to them."""

@@ -11,6 +11,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from django_idempotency import signals
+from django_idempotency.db.querysets import OutboxStatus
 from django_idempotency.exceptions import BrokerUnavailable, OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.operations.actions import discard, retry_dead
@@ -274,19 +275,27 @@ def test_a_topic_without_publisher_at_relay_time_fails_with_the_reason():
     assert "No publisher for topic 'orders.paid'" in OutboxEvent.objects.get().last_error
 
 
-def test_published_signal_carries_the_event_and_publisher():
-    seen = []
+def test_published_signals_carry_the_events_and_publisher():
+    seen, batches = [], []
     receiver = lambda sender, **kw: seen.append(kw)  # noqa: E731
+    batch_receiver = lambda sender, **kw: batches.append(kw)  # noqa: E731
     signals.event_published.connect(receiver)
+    signals.events_published.connect(batch_receiver)
     try:
-        event = publish_committed()
+        events = [publish_committed(payload={"n": n}, key="k") for n in range(3)]
         with Relay() as relay:
             relay.drain()
     finally:
         signals.event_published.disconnect(receiver)
+        signals.events_published.disconnect(batch_receiver)
+    sent = [event.event_id for event in events]
     assert [(kw["event"].event_id, kw["publisher"]) for kw in seen] == [
-        (event.event_id, "MemoryPublisher")
+        (event_id, "MemoryPublisher") for event_id in sent
     ]
+    assert [([e.event_id for e in kw["events"]], kw["publisher"]) for kw in batches] == [
+        (sent, "MemoryPublisher")
+    ]
+    assert all(e.status == OutboxStatus.PUBLISHED for kw in batches for e in kw["events"])
 
 
 def test_a_long_open_transaction_holds_back_no_keyed_event():

@@ -199,3 +199,45 @@ def test_a_relay_loop_wakes_when_an_event_it_failed_falls_due(monkeypatch):
 @postgresql_only  # polling relays back off from 50 ms after a busy pass and would find it anyway
 def test_control_without_the_retry_deadline_the_loop_sleeps_on_its_poll(monkeypatch):
     assert failed_once_then_waited(wake=False, monkeypatch=monkeypatch) == []
+
+
+def test_a_busy_loop_keeps_its_connection_and_lets_it_go_once_idle():
+    """At ``CONN_MAX_AGE = 0`` a run of passes that claim events counts as one request: one
+    connection for the run (a connection per batch cost more than the batch), a new one once
+    the loop went idle."""
+    assert connection.settings_dict["CONN_MAX_AGE"] == 0  # Django's default, as deployed
+    for n in range(6):
+        publish_committed(payload={"n": n})
+    seen: list[tuple[int, Any]] = []
+    stop, idle = threading.Event(), threading.Event()
+    relay = Relay(batch_size=2)
+
+    def on_pass(stats: RelayStats) -> None:
+        seen.append((stats.claimed, connections[relay.using].connection))
+        if not stats.claimed:
+            idle.set()
+        if len(seen) > 4 and stats.claimed:
+            stop.set()
+
+    def loop() -> None:
+        try:
+            relay.run_forever(stop, poll_seconds=0.2, on_pass=on_pass)
+        finally:
+            relay.close()
+            connections.close_all()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        assert idle.wait(30)
+        publish_committed(payload={"n": 6})
+        wait_for(lambda: stop.is_set(), timeout=30, what="a pass after the idle one")
+    finally:
+        stop.set()
+        thread.join(30)
+    claimed = [count for count, _ in seen]
+    assert claimed[:4] == [2, 2, 2, 0] and claimed[-1] == 1, claimed
+    busy = {id(raw) for count, raw in seen[:4]}
+    assert len(busy) == 1  # the run of busy passes, and the pass that found nothing: one
+    assert seen[-1][1] is not seen[0][1]  # after the idle wait: a new connection
+    assert len(broker.snapshot()) == 7
