@@ -464,7 +464,7 @@ def outbox_claim_statement(
     fallback: Fragment | None,
     returned: Sequence[str],
     pending: str,
-    relay_lock: int | None,
+    relay_lock: Any,
     lease_seconds: float,
     token: Any,
 ) -> tuple[str, list[Any]]:
@@ -488,10 +488,11 @@ def outbox_claim_statement(
       statement's snapshot is enough: an event this snapshot sees unpublished is at worst held
       back until the next pass, and one it does not see yet cannot be earlier than a visible
       event of its key (``publish()`` makes same-key ids follow commit order).
-    * ``lock``: with ``relay_lock`` (its id), the batch's relay lock (a session advisory lock,
-      see db/session_locks.py), taken once, only when there is a batch, and inside the statement,
-      so before the lease commits: no relay can see the lease without the lock. The lock
-      outlives the transaction; the acknowledgement lets go of it.
+    * ``lock``: with ``relay_lock`` (its id, a parameter like ``token``), the batch's relay
+      lock (a session advisory lock, see db/session_locks.py), taken once, only when there is
+      a batch, and inside the statement, so before the lease commits: no relay can see the
+      lease without the lock. The lock outlives the transaction; the acknowledgement lets go
+      of it.
     * ``claimed``: the lease (``lease_seconds`` from the moment of the update, so it never
       starts before the claim was done) and ``token``, fenced on the lease being free and the
       event PENDING (by the candidates' clock) though the statement holds the rows' locks. The

@@ -17,6 +17,7 @@ turns), so passing over none of them keeps the order.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import time
 import uuid
@@ -45,17 +46,30 @@ from django_idempotency.outbox.clock import DatabaseClock
 __all__ = ["claim_batch"]
 
 
+#: A claim statement with stand-ins for what changes per claim, by what shapes it.
+Statements = dict[tuple[Any, ...], tuple[str, list[Any]]]
+
+
+class _Slot(enum.Enum):
+    """Where a cached claim statement takes this claim's values."""
+
+    TOKEN = "token"
+    LOCK = "lock"
+
+
 def claim_batch(
     outbox: OutboxEventQuerySet,
     *,
     batch_size: int,
     lease_seconds: float,
     seat: session_locks.Seat | None,
+    statements: Statements | None = None,
 ) -> tuple[list[OutboxEvent], DatabaseClock]:
     """A batch of due events of ``outbox`` (the events a relay sees), leased under a new
     token, in relay order, and the database's time to measure the rest of the pass by. With a
-    ``seat`` among several relays, only that seat's share of the keys."""
-    claim = _Claim(outbox, outbox.db, batch_size, lease_seconds, seat)
+    ``seat`` among several relays, only that seat's share of the keys. ``statements``: where
+    the caller keeps the claim statements built for ``outbox`` (PostgreSQL), across claims."""
+    claim = _Claim(outbox, outbox.db, batch_size, lease_seconds, seat, statements)
     if connections[claim.using].vendor == "postgresql":
         return claim.in_one_statement()
     return claim.in_a_transaction()
@@ -68,6 +82,7 @@ class _Claim:
     batch_size: int
     lease_seconds: float
     seat: session_locks.Seat | None
+    statements: Statements | None
 
     def candidates(self, now: Moment) -> OutboxEventQuerySet:
         """Due events in relay order that no earlier event with their key holds back."""
@@ -97,31 +112,11 @@ class _Claim:
         carry the monotonic clock's drift across passes.)
         """
         connection = connections[self.using]
-        now = Now()
-        candidates = self.candidates(now)
-        fallback: postgresql.Fragment | None = None
-        seat = self.seat
-        if seat is not None and seat.fleet > 1:
-            # As in the portable claim: this relay's share of the keys, and only when it keeps
-            # nothing there, what any relay has left waiting for a whole lease.
-            fallback = self.compile(candidates.filter(self.left_waiting(now)))
-            candidates = self.share(candidates, seat)
         token = uuid.uuid4()
-        statement, params = postgresql.outbox_claim_statement(
-            rows.quoted_table(connection, OutboxEvent),
-            functools.partial(rows.quoted_column, connection, OutboxEvent),
-            candidates=self.compile(candidates),
-            outsiders=self.outsiders,
-            fallback=fallback,
-            returned=[
-                rows.quoted_column(connection, OutboxEvent, field)
-                for field in rows.concrete_fields(OutboxEvent)
-            ],
-            pending=OutboxStatus.PENDING,
-            relay_lock=session_locks.lock_id(token) if session_locks.enabled(self.using) else None,
-            lease_seconds=self.lease_seconds,
-            token=token,
-        )
+        lock = session_locks.lock_id(token) if session_locks.enabled(self.using) else None
+        statement, slotted = self.statement(locking=lock is not None)
+        slots = {_Slot.TOKEN: token, _Slot.LOCK: lock}
+        params = [slots[param] if isinstance(param, _Slot) else param for param in slotted]
         found = postgresql.fetch_outbox_claim(connection, statement, params)
         read_at, held = found[0][0], found[0][1]
         clock = DatabaseClock(read_at=to_datetime(read_at), monotonic=time.monotonic())
@@ -134,6 +129,47 @@ class _Claim:
             with contextlib.suppress(DatabaseError):
                 session_locks.let_go_of_batch(self.using, token)
         return events, clock
+
+    def statement(self, *, locking: bool) -> tuple[str, list[Any]]:
+        """The claim statement, with :class:`_Slot` stand-ins for the token and the relay lock.
+        The ORM builds it once per shape (batch, lease, seat) and relay: it takes a seventh of
+        a relay's time when built for every claim. Nothing else in it changes between claims:
+        its times are the statement's own (``Now()``)."""
+        seat = self.seat
+        shared = seat if seat is not None and seat.fleet > 1 else None
+        share = None if shared is None else (shared.fleet, shared.rank)
+        shape = (self.batch_size, self.lease_seconds, share, locking)
+        if self.statements is not None and shape in self.statements:
+            return self.statements[shape]
+        connection = connections[self.using]
+        now = Now()
+        candidates = self.candidates(now)
+        fallback: postgresql.Fragment | None = None
+        if shared is not None:
+            # As in the portable claim: this relay's share of the keys, and only when it keeps
+            # nothing there, what any relay has left waiting for a whole lease.
+            fallback = self.compile(candidates.filter(self.left_waiting(now)))
+            candidates = self.share(candidates, shared)
+        built = postgresql.outbox_claim_statement(
+            rows.quoted_table(connection, OutboxEvent),
+            functools.partial(rows.quoted_column, connection, OutboxEvent),
+            candidates=self.compile(candidates),
+            outsiders=self.outsiders,
+            fallback=fallback,
+            returned=[
+                rows.quoted_column(connection, OutboxEvent, field)
+                for field in rows.concrete_fields(OutboxEvent)
+            ],
+            pending=OutboxStatus.PENDING,
+            relay_lock=_Slot.LOCK if locking else None,
+            lease_seconds=self.lease_seconds,
+            token=_Slot.TOKEN,
+        )
+        if self.statements is not None:
+            if len(self.statements) > 64:  # seats come and go: keep only what is in use
+                self.statements.clear()
+            self.statements[shape] = built
+        return built
 
     def compile(self, candidates: OutboxEventQuerySet) -> postgresql.Fragment:
         """One batch of ``candidates`` (id, key and position) as SQL and its parameters."""

@@ -58,7 +58,7 @@ from django_idempotency.exceptions import OutboxError
 from django_idempotency.models import OutboxEvent
 from django_idempotency.outbox.ack import acknowledge
 from django_idempotency.outbox.announce import announce
-from django_idempotency.outbox.claim import claim_batch
+from django_idempotency.outbox.claim import Statements, claim_batch
 from django_idempotency.outbox.clock import DatabaseClock
 from django_idempotency.outbox.fleet import GoneRelays, Seating
 from django_idempotency.outbox.holding import tend
@@ -127,6 +127,8 @@ class Relay:
         self._gone_relays = GoneRelays(self.using)
         #: This relay's seat among the relays, when it shares the keys.
         self._seating = Seating(self.using)
+        #: The claim statements built for this relay's outbox (claim.py).
+        self._claim_statements: Statements = {}
 
     def __enter__(self) -> Relay:
         return self
@@ -183,6 +185,7 @@ class Relay:
             batch_size=self.batch_size,
             lease_seconds=self.lease_seconds,
             seat=self._seating.seat,
+            statements=self._claim_statements,
         )
 
     def _publish(self, events: list[OutboxEvent], deadline: float) -> Outcomes:

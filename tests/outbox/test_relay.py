@@ -4,6 +4,7 @@ import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db import OperationalError, connection, connections, transaction
@@ -505,3 +506,78 @@ def test_a_polling_relay_comes_back_soon_after_a_busy_pass_and_backs_off_while_i
             wait(1.0, stop, False)
         wait(1.0, stop, True)
     assert stop.waits == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 0.05]
+
+
+def test_a_relay_builds_its_claim_statement_once_and_each_claim_gets_its_own_token_and_lock(
+    monkeypatch,
+):
+    """PostgreSQL: the ORM builds the claim statement once per relay and seat; each claim puts
+    its own token and relay lock in it (each batch's lock let go by its acknowledgement)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the one-statement claim is PostgreSQL's")
+    from django_idempotency.db import postgresql, session_locks
+    from django_idempotency.outbox import claim as claim_module
+
+    built: list[str] = []
+    build = claim_module.postgresql.outbox_claim_statement
+
+    def counting(*args, **kwargs):
+        built.append("statement")
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(claim_module.postgresql, "outbox_claim_statement", counting)
+    locks: list[int] = []
+
+    def claimed_lock(relay: Relay) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s::oid",
+                [postgresql.RELAY_LOCK_CLASS],
+            )
+            locks.extend(row[0] for row in cursor.fetchall())
+
+    for n in range(4):
+        publish_committed(payload={"n": n}, key=f"k{n % 2}")
+    tokens = []
+    with Relay(batch_size=1) as relay:
+        claim = relay._claim
+
+        def noting_claim() -> Any:
+            events, clock = claim()
+            tokens.extend(event.relay_token for event in events)
+            claimed_lock(relay)
+            return events, clock
+
+        monkeypatch.setattr(relay, "_claim", noting_claim)
+        assert relay.drain().published == 4
+    assert built == ["statement"]
+    assert len(set(tokens)) == 4
+    if session_locks.enabled("default"):
+        assert locks == [session_locks.lock_id(token) & 0xFFFFFFFF for token in tokens]
+    claimed_lock(relay)
+    assert locks[4:] == []  # every batch's lock let go
+    assert [m.payload["n"] for m in broker.snapshot()] == [0, 1, 2, 3]
+
+
+def test_relays_in_different_seats_claim_with_statements_of_their_own():
+    if connection.vendor != "postgresql":
+        pytest.skip("the one-statement claim is PostgreSQL's")
+    from django_idempotency.db.session_locks import Seat
+    from django_idempotency.outbox.claim import claim_batch
+
+    events = [publish_committed(payload={"n": n}, key=f"k{n}") for n in range(20)]
+    statements: dict[Any, Any] = {}
+    shares = [
+        claim_batch(
+            OutboxEvent.objects.all(),
+            batch_size=100,
+            lease_seconds=30,
+            seat=Seat(number=rank, rank=rank, fleet=2),
+            statements=statements,
+        )[0]
+        for rank in (0, 1)
+    ]
+    assert len(statements) == 2
+    first, second = ({event.pk for event in share} for share in shares)
+    assert first and second and not first & second
+    assert first | second == {event.pk for event in events}
