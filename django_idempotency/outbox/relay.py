@@ -35,8 +35,9 @@ MariaDB's own default is REPEATABLE READ (Django's MySQL backend asks for READ C
 ``OPTIONS["isolation_level"]`` says otherwise). Under REPEATABLE READ a snapshot lives as long as
 its transaction, so nothing here keeps one: each claim and each ack is a new short transaction,
 the claim's locking read sees the latest committed rows whatever the level, the relay refuses to
-run inside an outer transaction, and the polling loop calls ``close_old_connections()``. The
-gap locks REPEATABLE READ adds to the claim's scan last only for that short transaction.
+run inside an outer transaction, and the polling loop calls ``close_old_connections()`` (see
+``_between_passes``). The gap locks REPEATABLE READ adds to the claim's scan last only for that
+short transaction.
 """
 
 from __future__ import annotations
