@@ -51,6 +51,11 @@ __all__ = [
     "claim_statement",
     "insert_marker",
     "now_plus",
+    "OUTBOX_AUTOVACUUM",
+    "OUTBOX_FILLFACTOR",
+    "OUTBOX_STORAGE",
+    "alter_outbox_storage",
+    "storage_parameters",
 ]
 
 # --- idempotency records -----------------------------------------------------------------------
@@ -428,6 +433,57 @@ PIN_OUTBOX_CLAIM_PLAN = (
 #: every claim writing seven index entries, as many as the insert, and the dead entries slowed
 #: every later claim until a vacuum. 40 leaves room on every page (50 left it on nine in ten).
 OUTBOX_FILLFACTOR = 40
+
+#: The outbox table's own autovacuum thresholds (its partitions' on a partitioned outbox;
+#: migration 0014). A queue's table is small while its dead row versions pile up as fast as
+#: events flow, and the claim's per-key checks read the dead index entries of their key until a
+#: vacuum removes them; a threshold in changes rather than a fraction of the table has vacuum
+#: run every 10,000 of them, unthrottled. The analyze thresholds keep statistics from
+#: describing an outbox that is long gone.
+OUTBOX_AUTOVACUUM: dict[str, float] = {
+    "autovacuum_vacuum_scale_factor": 0,
+    "autovacuum_vacuum_threshold": 10_000,
+    "autovacuum_vacuum_cost_delay": 0,
+    "autovacuum_analyze_scale_factor": 0,
+    "autovacuum_analyze_threshold": 10_000,
+}
+
+#: Every storage parameter of the outbox table (or of each of its partitions).
+OUTBOX_STORAGE: dict[str, float] = {"fillfactor": OUTBOX_FILLFACTOR, **OUTBOX_AUTOVACUUM}
+
+
+def storage_parameters(parameters: Mapping[str, float]) -> str:
+    """``parameters`` as ``ALTER TABLE ... SET (...)`` and ``WITH (...)`` take them."""
+    return ", ".join(f"{name} = {value}" for name, value in parameters.items())
+
+
+#: The outbox itself when it is a plain table, else each of its partitions.
+_OUTBOX_TABLES = """
+    SELECT c.oid::regclass::text FROM pg_class c
+    WHERE c.oid = to_regclass(%(table)s) AND c.relkind = 'r'
+    UNION ALL
+    SELECT i.inhrelid::regclass::text FROM pg_inherits i WHERE i.inhparent = to_regclass(%(table)s)
+"""
+
+
+def alter_outbox_storage(change: str) -> Callable[[Any, Any], None]:
+    """A migration's ``RunPython`` code that runs ``ALTER TABLE <outbox> <change>`` on the
+    outbox table, or on each partition when it is partitioned (a partitioned parent takes no
+    storage parameters); nothing on other databases. It rewrites no page and takes no lock
+    that stops reads or writes."""
+
+    def operation(apps: Any, schema_editor: Any) -> None:
+        connection = schema_editor.connection
+        if connection.vendor != "postgresql":
+            return
+        table = apps.get_model("django_idempotency", "OutboxEvent")._meta.db_table
+        with connection.cursor() as cursor:
+            cursor.execute(_OUTBOX_TABLES, {"table": connection.ops.quote_name(table)})
+            for (name,) in cursor.fetchall():
+                cursor.execute(f"ALTER TABLE {name} {change}")
+
+    return operation
+
 
 #: What the acknowledgement does to each event of a batch (the ``kind`` of its outcome row).
 ACK_SENT, ACK_FAILED, ACK_UNTRIED = "sent", "failed", "untried"

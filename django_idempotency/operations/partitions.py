@@ -53,7 +53,7 @@ from django_idempotency.conf import conf
 from django_idempotency.core import leases
 from django_idempotency.db import database_now
 from django_idempotency.db.indexes import extra_indexes
-from django_idempotency.db.postgresql import OUTBOX_FILLFACTOR
+from django_idempotency.db.postgresql import OUTBOX_STORAGE, storage_parameters
 from django_idempotency.exceptions import IdempotencyConfigurationError
 from django_idempotency.models import IdempotencyRecord, OutboxEvent, ProcessedMessage
 
@@ -208,7 +208,7 @@ OUTBOX = Layout(
     retention_setting="OUTBOX_RETENTION_SECONDS",
     task="maintain_outbox_partitions",
     live_rows="events that are not to be dropped yet",
-    storage=f"WITH (fillfactor = {OUTBOX_FILLFACTOR})",
+    storage=f"WITH ({storage_parameters(OUTBOX_STORAGE)})",
 )
 INBOX = Layout(
     label="inbox",

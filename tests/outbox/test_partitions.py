@@ -151,7 +151,7 @@ def test_the_partial_index_of_unpublished_events_keeps_its_condition_through_the
         assert unpublished_index() == (kind, definition)
 
 
-def fillfactors() -> dict[str, list[str] | None]:
+def storage() -> dict[str, list[str] | None]:
     """The storage parameters of the outbox table, or of each of its partitions."""
     with connection.cursor() as cursor:
         cursor.execute(
@@ -161,32 +161,40 @@ def fillfactors() -> dict[str, list[str] | None]:
             "UNION ALL SELECT inhrelid FROM pg_inherits WHERE inhparent = %s::regclass)",
             [TABLE] * 3,
         )
-        return dict(cursor.fetchall())
+        return {name: sorted(options) if options else None for name, options in cursor}
 
 
-def test_every_outbox_table_keeps_room_for_the_claims_version_through_the_moves(partitioned):
-    """The fillfactor that makes the claim's update HOT (migration 0013) is on the plain table,
-    on each partition (the old table and those created ahead), and back on the plain table."""
+def test_every_outbox_table_keeps_its_storage_parameters_through_the_moves(partitioned):
+    """The fillfactor that makes the claim's update HOT (migration 0013) and the autovacuum
+    thresholds (0014) are on the plain table, on each partition (the old table and those created
+    ahead), and back on the plain table; each migration sets its own, both ways."""
     import importlib
 
     from django.apps import apps
 
-    from django_idempotency.db.postgresql import OUTBOX_FILLFACTOR
+    from django_idempotency.db.postgresql import OUTBOX_FILLFACTOR, OUTBOX_STORAGE
 
-    migration = importlib.import_module("django_idempotency.migrations.0013_outbox_fillfactor")
-    expected = [f"fillfactor={OUTBOX_FILLFACTOR}"]
-    assert fillfactors() == {TABLE: expected}
+    expected = sorted(f"{name}={value}" for name, value in OUTBOX_STORAGE.items())
+    assert f"fillfactor={OUTBOX_FILLFACTOR}" in expected and len(expected) == 6
+    assert storage() == {TABLE: expected}
     partitioned()
-    tables = fillfactors()
+    tables = storage()
     assert LEGACY in tables and len(tables) > 1
     assert set(map(tuple, tables.values())) == {tuple(expected)}
-    with connection.schema_editor() as editor:  # the migration, on this layout, back and forth
-        migration.Migration.operations[0].reverse_code(apps, editor)
-        assert set(fillfactors().values()) == {None}
-        migration.Migration.operations[0].code(apps, editor)
-    assert fillfactors() == tables
+    fillfactor, autovacuum = (
+        importlib.import_module(f"django_idempotency.migrations.{name}").Migration.operations[0]
+        for name in ("0013_outbox_fillfactor", "0014_outbox_autovacuum")
+    )
+    with connection.schema_editor() as editor:  # the migrations, on this layout, back and forth
+        autovacuum.reverse_code(apps, editor)
+        assert set(map(tuple, storage().values())) == {(f"fillfactor={OUTBOX_FILLFACTOR}",)}
+        fillfactor.reverse_code(apps, editor)
+        assert set(storage().values()) == {None}
+        fillfactor.code(apps, editor)
+        autovacuum.code(apps, editor)
+    assert storage() == tables
     partitions.unpartition_table(layout=OUTBOX)
-    assert fillfactors() == {TABLE: expected}
+    assert storage() == {TABLE: expected}
 
 
 def test_partitioning_the_outbox_needs_its_setting(transactional_db):
