@@ -19,15 +19,17 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import json
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from django.db import DatabaseError, connections, transaction
-from django.db.models import BigIntegerField, F, Func, OuterRef, Q, QuerySet
-from django.db.models.expressions import RawSQL
+from django.db.models import BigIntegerField, F, Field, Func, JSONField, OuterRef, Q, QuerySet
+from django.db.models.expressions import Expression, RawSQL
 from django.db.models.functions import Mod, Now
 
 from django_idempotency.db import dialect, postgresql, rows, session_locks, to_datetime
@@ -55,6 +57,37 @@ class _Slot(enum.Enum):
 
     TOKEN = "token"
     LOCK = "lock"
+    PUBLISHED_THROUGH = "published_through"
+
+
+class _Parameter(Expression):
+    """A statement parameter passed as it is: a :class:`_Slot` of a cached statement."""
+
+    def __init__(self, value: object, output_field: Field[Any, Any]) -> None:
+        super().__init__(output_field=output_field)
+        self.value = value
+
+    def as_sql(self, compiler: Any, connection: Any) -> Any:
+        return "%s", [self.value]
+
+
+def published_through(key: Any) -> Func:
+    """PostgreSQL: the id through which the relay has published ``key``'s events itself, from
+    the claim's :data:`_Slot.PUBLISHED_THROUGH` (a JSON object of key to id), else 0.
+
+    Every event of the key up to that id is PUBLISHED for good: the relay sent it after every
+    earlier event of its key (the order this claim keeps), nothing in the library makes a
+    published event unpublished again, and no earlier id of the key can commit later
+    (``publish()``). So the per-key checks need not read below it, where the key's published
+    events left dead index entries that only a vacuum removes: with autovacuum off, halfway
+    through a million-event backlog, each check read 38 buffers instead of 4."""
+    return Func(
+        _Parameter(_Slot.PUBLISHED_THROUGH, JSONField()),
+        key,
+        template="COALESCE((%(expressions)s)::bigint, 0)",
+        arg_joiner="::jsonb ->> ",
+        output_field=BigIntegerField(),
+    )
 
 
 def claim_batch(
@@ -64,12 +97,15 @@ def claim_batch(
     lease_seconds: float,
     seat: session_locks.Seat | None,
     statements: Statements | None = None,
+    published: Mapping[str, int] | None = None,
 ) -> tuple[list[OutboxEvent], DatabaseClock]:
     """A batch of due events of ``outbox`` (the events a relay sees), leased under a new
     token, in relay order, and the database's time to measure the rest of the pass by. With a
     ``seat`` among several relays, only that seat's share of the keys. ``statements``: where
-    the caller keeps the claim statements built for ``outbox`` (PostgreSQL), across claims."""
-    claim = _Claim(outbox, outbox.db, batch_size, lease_seconds, seat, statements)
+    the caller keeps the claim statements built for ``outbox`` (PostgreSQL), across claims.
+    ``published``: by key, the highest id the caller has published itself (PostgreSQL, see
+    :func:`published_through`)."""
+    claim = _Claim(outbox, outbox.db, batch_size, lease_seconds, seat, statements, published)
     if connections[claim.using].vendor == "postgresql":
         return claim.in_one_statement()
     return claim.in_a_transaction()
@@ -83,9 +119,11 @@ class _Claim:
     lease_seconds: float
     seat: session_locks.Seat | None
     statements: Statements | None
+    published: Mapping[str, int] | None
 
-    def candidates(self, now: Moment) -> OutboxEventQuerySet:
-        """Due events in relay order that no earlier event with their key holds back."""
+    def candidates(self, now: Moment, *, bounded: bool = False) -> OutboxEventQuerySet:
+        """Due events in relay order that no earlier event with their key holds back; with
+        ``bounded``, read no earlier event below :func:`published_through`."""
         events = self.outbox
         # An earlier event that this very claim could take does not block: it sorts first and
         # lands in the same batch. One that is DEAD, HELD, backing off or leased elsewhere does.
@@ -97,6 +135,8 @@ class _Claim:
             | backing_off_q(now)
             | Q(locked_until__gt=now)
         )
+        if bounded:
+            holding = holding.filter(pk__gt=published_through(OuterRef("key")))
         blocked = earlier_unpublished(holding, OuterRef("pk"))
         return events.due(now).filter(Q(key="") | ~blocked).in_relay_order()
 
@@ -115,7 +155,11 @@ class _Claim:
         token = uuid.uuid4()
         lock = session_locks.lock_id(token) if session_locks.enabled(self.using) else None
         statement, slotted = self.statement(locking=lock is not None)
-        slots = {_Slot.TOKEN: token, _Slot.LOCK: lock}
+        slots = {
+            _Slot.TOKEN: token,
+            _Slot.LOCK: lock,
+            _Slot.PUBLISHED_THROUGH: json.dumps(dict(self.published or {})),
+        }
         params = [slots[param] if isinstance(param, _Slot) else param for param in slotted]
         found = postgresql.fetch_outbox_claim(connection, statement, params)
         read_at, held = found[0][0], found[0][1]
@@ -143,7 +187,7 @@ class _Claim:
             return self.statements[shape]
         connection = connections[self.using]
         now = Now()
-        candidates = self.candidates(now)
+        candidates = self.candidates(now, bounded=True)
         fallback: postgresql.Fragment | None = None
         if shared is not None:
             # As in the portable claim: this relay's share of the keys, and only when it keeps
@@ -184,7 +228,10 @@ class _Claim:
             return RawSQL(f"{postgresql.CLAIM_CANDIDATE}.{name}", [])
 
         outsider = self.outbox.filter(
-            key=candidate("key"), status__in=UNPUBLISHED, pk__lt=candidate("id")
+            key=candidate("key"),
+            status__in=UNPUBLISHED,
+            pk__lt=candidate("id"),
+            pk__gt=published_through(candidate("key")),
         ).exclude(pk__in=RawSQL(f"SELECT id FROM {batch}", []))
         return self.sql(outsider.values_list("pk"))
 

@@ -43,6 +43,7 @@ short transaction.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import random
 import threading
@@ -79,6 +80,8 @@ _DATABASE_RETRY_SECONDS = 1.0
 #: How often (seconds) a process tends each database's events set aside behind failed ones
 #: (holding.py): what arrived behind them since, and what nothing holds any more.
 TEND_SECONDS = 60.0
+#: How many keys a relay remembers the published ids of (the claim sends them all).
+_PUBLISHED_KEYS = 1000
 #: When (monotonic) this process tends each database's outbox next. Per process, not per relay:
 #: the Celery task builds a relay per run, and a loop's relay should not tend again beside it.
 _next_tend: dict[str, float] = {}
@@ -130,6 +133,9 @@ class Relay:
         self._seating = Seating(self.using)
         #: The claim statements built for this relay's outbox (claim.py).
         self._claim_statements: Statements = {}
+        #: By key, the highest id this relay published and recorded itself: the claim's per-key
+        #: checks read nothing below it (claim.published_through). The keys used last.
+        self._published: dict[str, int] = {}
 
     def __enter__(self) -> Relay:
         return self
@@ -187,6 +193,7 @@ class Relay:
             lease_seconds=self.lease_seconds,
             seat=self._seating.seat,
             statements=self._claim_statements,
+            published=self._published,
         )
 
     def _publish(self, events: list[OutboxEvent], deadline: float) -> Outcomes:
@@ -199,6 +206,7 @@ class Relay:
         acknowledged = acknowledge(
             self._outbox(), events, outcomes, clock, self.rng, wake=self._not_alone()
         )
+        self._note_published(acknowledged.sent)
         announce(acknowledged, self._sender.publisher_names, self._route_failures)
         self._forget_past_retries()
         for failure in acknowledged.failures:
@@ -206,6 +214,17 @@ class Relay:
                 delay = (failure.event.next_attempt_at - acknowledged.now).total_seconds()
                 heapq.heappush(self._retries_due, time.monotonic() + max(delay, 0.0))
         return acknowledged.stats
+
+    def _note_published(self, sent: list[OutboxEvent]) -> None:
+        """Keep, per key, the highest id among ``sent``: events this relay published and whose
+        acknowledgement committed (none another relay took over meanwhile)."""
+        published = self._published
+        for event in sent:
+            if event.key:
+                through = max(published.pop(event.key, 0), event.pk)
+                published[event.key] = through  # last: the key is used
+        for key in list(itertools.islice(published, max(len(published) - _PUBLISHED_KEYS, 0))):
+            del published[key]
 
     def _forget_past_retries(self) -> float:
         """Drop the retries that fell due (so the heap holds only those still waiting, however
