@@ -175,10 +175,10 @@ class _Claim:
         return events, clock
 
     def statement(self, *, locking: bool) -> tuple[str, list[Any]]:
-        """The claim statement, with :class:`_Slot` stand-ins for the token and the relay lock.
-        The ORM builds it once per shape (batch, lease, seat) and relay: it takes a seventh of
-        a relay's time when built for every claim. Nothing else in it changes between claims:
-        its times are the statement's own (``Now()``)."""
+        """The claim statement, with :class:`_Slot` stand-ins for the token, the relay lock
+        and what the relay published. The ORM builds it once per shape (batch, lease, seat)
+        and relay: it takes a seventh of a relay's time when built for every claim. Nothing
+        else in it changes between claims: its times are the statement's own (``Now()``)."""
         seat = self.seat
         shared = seat if seat is not None and seat.fleet > 1 else None
         share = None if shared is None else (shared.fleet, shared.rank)
