@@ -181,7 +181,7 @@ def test_a_relay_loop_passes_again_at_once_after_a_pass_that_claimed_events(monk
 
 
 def failed_once_then_waited(*, wake: bool, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """An event whose first attempt fails, with a backoff of exactly 0.5 s, relayed by a lone
+    """An event whose first attempt fails, with a backoff of exactly 1.5 s, relayed by a lone
     loop; what was published 3 s later (the loop's poll is 300 s away)."""
     if not wake:
         monkeypatch.setattr(Relay, "_sleep_at_most", lambda self, poll: poll)
@@ -189,7 +189,9 @@ def failed_once_then_waited(*, wake: bool, monkeypatch: pytest.MonkeyPatch) -> l
     event = publish_committed(key="account-1")
     passes: list[RelayStats] = []
     with (
-        settings_with(OUTBOX_BACKOFF_BASE_SECONDS=0.5),
+        # Seconds, not 0.5 s: the pass right after the failure must find the retry not yet
+        # due, however late a loaded host runs it.
+        settings_with(OUTBOX_BACKOFF_BASE_SECONDS=1.5),
         relay_loop(Relay(rng=CeilingRandom()), passes),
     ):
         if wake:

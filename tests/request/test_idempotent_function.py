@@ -425,9 +425,28 @@ def call_from_threads(count: int, function: Any, *args: Any) -> list[Any]:
 
 
 def test_concurrent_calls_with_one_key_run_it_once():
-    results = call_from_threads(8, slow_effect, 1, 0.5)
-    assert calls["slow_effect"] == 1
-    assert Widget.objects.filter(name="slow-1").count() == 1
+    refused = threading.Event()
+
+    @idempotent_function(key="n")
+    def held_effect(n: int) -> int:
+        calls["held_effect"] += 1
+        widget = Widget.objects.create(name=f"held-{n}")
+        if ON_SQLITE:  # one writer at a time: the others wait for this call's commit anyway
+            time.sleep(0.5)
+        else:  # runs until another call was refused, however late the others come
+            refused.wait(30)
+        return widget.pk
+
+    def call() -> int:
+        try:
+            return held_effect(1)
+        except IdempotentCallInProgress:
+            refused.set()
+            raise
+
+    results = call_from_threads(8, call)
+    assert calls["held_effect"] == 1
+    assert Widget.objects.filter(name="held-1").count() == 1
     (pk,) = Widget.objects.values_list("pk", flat=True)
     for result in results:
         assert result == pk or isinstance(result, IdempotentCallInProgress), result
@@ -435,7 +454,7 @@ def test_concurrent_calls_with_one_key_run_it_once():
     if not ON_SQLITE:
         # SQLite serializes the writers: the others wait for the first to commit and replay.
         assert any(isinstance(result, IdempotentCallInProgress) for result in results)
-    assert slow_effect(1, 0.5) == pk
+    assert held_effect(1) == pk
 
 
 def test_concurrent_calls_with_different_keys_all_run():
