@@ -494,7 +494,10 @@ def test_asgi_duplicate_attaches(door, tmp_path: Path, asgi_server: Any):
             headers={"Idempotency-Key": key, "Prefer": "wait=20"},
         )
     )
-    time.sleep(1)  # the duplicate is sent and waiting; nothing asserts on this pause
+    # Time for the duplicate to reach the server and wait on the key (it runs in the server's
+    # process, where the test cannot see it): one that came after the first request's answer
+    # would get a plain replay, without Preference-Applied.
+    time.sleep(2)
     hold.unlink()
     status, headers, body = first.result()
     assert status == 201, body
