@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from django.db import DatabaseError, close_old_connections, connections, router
+from django.db import DatabaseError, close_old_connections, connections, router, transaction
 from django.db.models import Q
 
 from django_idempotency.conf import conf
@@ -206,7 +206,10 @@ class Relay:
         acknowledged = acknowledge(
             self._outbox(), events, outcomes, clock, self.rng, wake=self._not_alone()
         )
-        self._note_published(acknowledged.sent)
+        # Once the acknowledgement is committed for good: a relay allowed inside a transaction
+        # acknowledges in the caller's, and what rolls back was never published.
+        sent = acknowledged.sent
+        transaction.on_commit(lambda: self._note_published(sent), using=self.using)
         announce(acknowledged, self._sender.publisher_names, self._route_failures)
         self._forget_past_retries()
         for failure in acknowledged.failures:
@@ -217,7 +220,8 @@ class Relay:
 
     def _note_published(self, sent: list[OutboxEvent]) -> None:
         """Keep, per key, the highest id among ``sent``: events this relay published and whose
-        acknowledgement committed (none another relay took over meanwhile)."""
+        acknowledgement committed, in the outermost transaction (none another relay took over
+        meanwhile)."""
         published = self._published
         for event in sent:
             if event.key:

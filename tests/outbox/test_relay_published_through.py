@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import F
 
 from django_idempotency.models import OutboxEvent
@@ -99,3 +99,29 @@ def test_a_claim_reads_none_of_its_keys_published_history(no_vacuum, bounded):
         assert touched < 50 * relay.batch_size, touched
     else:
         assert touched > 500 * relay.batch_size, touched
+
+
+@pytest.mark.parametrize("outcome", ["rolled-back", "committed"])
+def test_a_relay_inside_a_transaction_remembers_only_what_committed(outcome):
+    """A relay allowed inside the caller's transaction acknowledges in it: until that commits,
+    nothing is published, so nothing may bound a later claim's checks."""
+    event = publish_committed(payload={"n": 1}, key="k")
+    with Relay(allow_in_transaction=True) as relay:
+        try:
+            with transaction.atomic():
+                assert relay.run_once().published == 1
+                assert relay._published == {}  # not before the outermost commit
+                if outcome == "rolled-back":
+                    raise _RollBack
+        except _RollBack:
+            pass
+        if outcome == "rolled-back":
+            assert relay._published == {}
+            event.refresh_from_db()
+            assert event.status == OutboxEvent.Status.PENDING
+        else:
+            assert relay._published == {"k": event.pk}
+
+
+class _RollBack(Exception):
+    pass
