@@ -531,7 +531,8 @@ def test_a_relay_builds_its_claim_statement_once_and_each_claim_gets_its_own_tok
     def claimed_lock(relay: Relay) -> None:
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s::oid",
+                "SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s::oid "
+                "AND pid = pg_backend_pid()",  # the relay's session: not other tests' relays
                 [postgresql.RELAY_LOCK_CLASS],
             )
             locks.extend(row[0] for row in cursor.fetchall())
