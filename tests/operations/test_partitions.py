@@ -141,6 +141,29 @@ def wait_until(moment: datetime) -> None:
         time.sleep(left)
 
 
+def poll_until(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
+    """Wait for ``condition()`` to hold, however slow the machine; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.01)
+
+
+def key_lock_waiters(key: str) -> int:
+    """How many sessions wait for the key's lock (the advisory lock the claim takes first,
+    ``pg.KEY_LOCK_STEP``) in this database."""
+    scope = identity(key=key).scope
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "AND classid = %s AND objid = hashtext(length(%s)::text || ':' || %s || %s)::oid "
+            "AND objsubid = 2",
+            [pg.RECORD_KEY_LOCK_CLASS, scope, scope, key],
+        )
+        return int(cursor.fetchone()[0])
+
+
 LEGACY = f"{TABLE}{partitions.LEGACY_SUFFIX}"
 
 
@@ -257,8 +280,13 @@ def test_a_claim_waiting_on_the_key_lock_sees_a_winner_in_the_partition_before(p
         wait_until(bound + timedelta(milliseconds=200))
         thread = threading.Thread(target=lambda: second.append(claim_in_thread(key)))
         thread.start()
-        time.sleep(0.5)
+        # Not "still running after a while": its session is seen waiting for the key lock.
+        poll_until(
+            lambda: key_lock_waiters(key) == 1 or not thread.is_alive(),
+            "the second claim to wait for the key lock",
+        )
         assert thread.is_alive(), "the second claim should wait for the key lock"
+        assert key_lock_waiters(key) == 1
     thread.join(10)
     assert isinstance(second[0], Conflict)
     assert partition_of(key) == [LEGACY]
@@ -671,6 +699,36 @@ class Writers(Threads):
             self.completed.append(key)
             assert isinstance(claim(key), Replay)
 
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
+        """Wait until the writers have done ``what``, however slow the machine; an error, or
+        every writer stopped, ends the wait at once."""
+        poll_until(
+            lambda: (
+                condition()
+                or bool(self.errors)
+                or not any(thread.is_alive() for thread in self.threads)
+            ),
+            what,
+            timeout,
+        )
+        assert self.errors == []
+        assert condition(), f"the writers stopped before {what}: {len(self.won)} keys won"
+
+    def wait_for_every_writer(self) -> None:
+        """Wait until each writer has won a key: all of them are writing."""
+        self.wait_for(
+            lambda: len({key.rsplit("-", 2)[1] for key in self.won}) == len(self.threads),
+            "every writer to win a key",
+        )
+
+    def wait_for_a_key_begun_after(self, count: int) -> None:
+        """Wait until some key was claimed wholly after the writers had won ``count``: each
+        writer may have had one claim under way then, so more than that many more."""
+        self.wait_for(
+            lambda: len(self.won) > count + len(self.threads),
+            f"a key claimed after the first {count}",
+        )
+
     def check(self) -> None:
         """Every key won is there exactly once, completed as the writer left it."""
         assert self.errors == []
@@ -684,13 +742,13 @@ class Writers(Threads):
 
 def test_the_move_to_partitions_loses_and_duplicates_nothing_while_writes_go_on(partitioned):
     with Writers("forward") as writers:
-        time.sleep(0.5)
+        writers.wait_for_every_writer()
         before = len(writers.won)
         started = time.monotonic()
         partitioned(database_now("default") + timedelta(hours=2))
         took = time.monotonic() - started
         during = len(writers.won)
-        time.sleep(0.5)
+        writers.wait_for_a_key_begun_after(during)
     assert before > 0 and during < len(writers.won)  # writers ran before the move and after it
     print(f"{len(writers.won)} keys written, {before} before the move, which took {took:.2f} s")
     writers.check()
@@ -702,10 +760,10 @@ def test_the_move_back_loses_and_duplicates_nothing_while_writes_wait(partitione
     for _ in range(200):
         plant(created_at=now - timedelta(hours=1), expires_at=now + timedelta(hours=1))
     with Writers("backward") as writers:
-        time.sleep(0.5)
+        writers.wait_for_every_writer()
         before = len(writers.won)
         waited = partitions.unpartition_table()
-        time.sleep(0.5)
+        writers.wait_for_a_key_begun_after(len(writers.won))
     assert 0 < before < len(writers.won)
     assert not partitions.is_partitioned()
     print(

@@ -234,15 +234,34 @@ def test_a_sweep_killed_after_its_expiry_is_dropped_and_says_so(
 ) -> None:
     """A beat entry's message expires before the next run. A sweep whose pool process dies
     after that moment is requeued, and the broker drops it unrun: the worker's line says so,
-    and the next scheduled run does the work."""
+    and the next scheduled run does the work.
+
+    The expiry is long enough for a loaded machine's worker to take the message well before it
+    (a message taken after it is dropped unrun by the worker, and the test says so rather than
+    waiting for a hold that never comes); the sweep is held until the expiry has passed by both
+    the broker's clock and the worker's, and only then killed."""
+    expires = 15.0
     old_markers(600)
     (tmp_path / "hold-after").write_text("1")
     (tmp_path / "hold").touch()
     worker = start_worker(amqp_url, queue, tmp_path, "doomed")
     try:
-        task_id = send(amqp_url, queue, SWEEP, expires=3.0, batch_size=200)
-        wait_until(lambda: (tmp_path / "held").exists(), timeout=60, what="the sweep to hold")
-        time.sleep(3.5)  # past the message's expiry
+        task_id = send(amqp_url, queue, SWEEP, expires=expires, batch_size=200)
+        # send() returns once the broker has confirmed the message: its TTL started before
+        # this, and the expiry Celery wrote into it was computed before this too.
+        expired_by = time.monotonic() + expires
+
+        def held_or_dropped() -> bool:
+            return (tmp_path / "held").exists() or ["expired", SWEEP, task_id] in [
+                run[:3] for run in runs(tmp_path)
+            ]
+
+        wait_until(held_or_dropped, timeout=60, what="the sweep to hold")
+        assert (tmp_path / "held").exists(), (
+            f"the worker took the sweep only after its {expires} s expiry and dropped it unrun: "
+            f"{runs(tmp_path)}"
+        )
+        wait_until(lambda: time.monotonic() > expired_by, timeout=60, what="the expiry")
         os.kill(int((tmp_path / "held").read_text()), signal.SIGKILL)
         lost = f"{SWEEP}[{task_id}] lost its worker process"
         wait_until(lambda: lost in worker.output(), timeout=60, what="the lost line")
@@ -250,7 +269,16 @@ def test_a_sweep_killed_after_its_expiry_is_dropped_and_says_so(
         line = next(line for line in worker.output().splitlines() if lost in line)
         assert "the message was requeued, but it expired at" in line
         assert "it is dropped unrun, and the next scheduled run does the work" in line
-        time.sleep(3)  # time for a redelivery, which must not come
+        # A redelivery, which must not come, would come before a relay sent now: the message
+        # was requeued (the line is logged after the worker rejected it) to its place ahead
+        # of the relay, and the worker takes one message at a time, in order. Nor may the
+        # worker have been handed it and dropped it itself: the broker drops it.
+        sentinel = send(amqp_url, queue, RELAY)
+        wait_until(
+            lambda: ["end", RELAY, sentinel] in [run[:3] for run in runs(tmp_path)],
+            timeout=60,
+            what="the sentinel relay",
+        )
         assert [run[0] for run in runs(tmp_path) if run[2] == task_id] == ["start"]
         assert worker.terminate() == 0, worker.tail()
     finally:

@@ -455,22 +455,44 @@ def test_redis_stopped_in_the_middle_of_a_concurrent_run(private_redis):
         assert sorted(replay for k, _, replay in statuses if k == key) == ["false", "true"]
 
 
+class StoppedClock:
+    """The ``time`` module as ``redis_copy`` sees it, but for a monotonic clock that stands
+    still until the test moves it: how long the process rests is then measured against
+    moments the test chooses, not against how fast the machine answers requests."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
 def test_after_a_redis_error_the_process_rests_then_tries_redis_again(
-    private_redis, client, failures, django_assert_num_queries, idempotency_settings
+    private_redis, client, failures, django_assert_num_queries, idempotency_settings, monkeypatch
 ):
     pause = 3.0
     idempotency_settings(CACHE_RETRY_SECONDS=pause)
+    clock = StoppedClock()
+    monkeypatch.setattr(redis_copy, "time", clock)
     private_redis.stop()
-    failed_at = time.monotonic()
+    failed_at = clock.now
     assert post(client, "first").status_code == 201
+    assert [failure["operation"] for failure in failures] == ["lookup"]
     # Resting: the replay's copy and every later request leave Redis alone.
     assert post(client, "second").status_code == 201
     assert post(client, "second")["Idempotent-Replay"] == "true"
-    assert time.monotonic() - failed_at < pause, "the machine was too slow to see the rest"
+    assert [failure["operation"] for failure in failures] == ["lookup"]
+    # Still resting just before the pause ends: a replay's copy would fail on the stopped
+    # Redis, and be reported.
+    clock.now = failed_at + pause - 0.01
+    assert post(client, "second")["Idempotent-Replay"] == "true"
     assert [failure["operation"] for failure in failures] == ["lookup"]
 
     private_redis.start()
-    time.sleep(max(0.0, pause - (time.monotonic() - failed_at)) + 0.1)
+    clock.now = failed_at + pause + 0.01
     assert post(client, "third").status_code == 201
     assert post(client, "third")["Idempotent-Replay"] == "true"
     with django_assert_num_queries(0):
