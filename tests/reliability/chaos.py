@@ -334,6 +334,19 @@ def _sleep_until(moment: float) -> None:
     time.sleep(max(0.0, moment - time.time()))
 
 
+def _answers(port: int) -> bool:
+    """Whether a worker on ``port`` answers a request (any status)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", "/")
+        connection.getresponse().read()
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+    return True
+
+
 def _wait(condition: Any, timeout: float, every: float = 0.1) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -463,6 +476,11 @@ class Run:
         env = self.env(redis.url if redis is not None else "")
         log = self.logs / f"gunicorn-{index + 1}.log"
         with demo_gunicorn(self.config.workers, log=log, **env) as server:
+            # The phase's clock starts once a worker answers, not once gunicorn listens: beside
+            # CI's other passes, workers took 20 s to import the project, and a fault planned
+            # 4 s into the phase then struck a server that had served nothing yet.
+            if not _wait(lambda: _answers(server.port), timeout=120, every=0.2):
+                raise AssertionError(f"the demo's workers answered nothing within 120 s: {log}")
             start = time.time()
             self.started = self.started or start
             clients = Clients(

@@ -78,6 +78,12 @@ def test_same_key_with_different_bodies_runs_one_of_them(key):
             }
 
 
+#: The project loaded once in gunicorn's master: the worker forked to replace a killed one
+#: answers at once. Without it, beside CI's other passes, the replacement took over 30 s to
+#: import the project, and the retry meant to land inside the lease timed out instead.
+PRELOAD = "--preload"
+
+
 def _kill_mid_view(server, key: str, body: dict) -> float:
     """Start a request that holds inside its view, SIGKILL its worker, and return when."""
     worker = server.worker_pids()[0]
@@ -102,6 +108,7 @@ def test_killed_server_process_leaves_a_key_that_recovers_after_its_lease(key, t
     settings = {
         "IDEMPOTENCY_TEST_LEASE_SECONDS": str(lease_seconds),
         "IDEMPOTENCY_TEST_TAKE_OVER_DEAD_OWNERS": "false",
+        "GUNICORN_CMD_ARGS": PRELOAD,
     }
     with gunicorn(**settings) as server:
         _kill_mid_view(server, key, body)
@@ -133,7 +140,7 @@ def test_a_killed_owner_is_taken_over_at_once_not_after_its_lease(key, tmp_path)
     hold = tmp_path / "hold"
     hold.touch()
     body = {"name": "w", "hold_file": str(hold)}
-    with gunicorn(IDEMPOTENCY_TEST_LEASE_SECONDS="30") as server:
+    with gunicorn(IDEMPOTENCY_TEST_LEASE_SECONDS="30", GUNICORN_CMD_ARGS=PRELOAD) as server:
         killed_at = _kill_mid_view(server, key, body)
         hold.unlink()
         status, statuses = 409, []
