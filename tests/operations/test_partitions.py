@@ -41,6 +41,7 @@ from django_idempotency.operations import partitions
 from django_idempotency.operations.sweeps import sweep_expired_records
 from django_idempotency.request import claims, store
 from tests.core.test_statemachine import MINE, claim_as_the_rules_say, records
+from tests.reliability import outbox_helpers
 from tests.support.factories import identity
 
 pytestmark = [
@@ -139,14 +140,6 @@ def wait_until(moment: datetime) -> None:
     left = (moment - database_now("default")).total_seconds()
     if left > 0:
         time.sleep(left)
-
-
-def poll_until(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
-    """Wait for ``condition()`` to hold, however slow the machine; fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.01)
 
 
 def key_lock_waiters(key: str) -> int:
@@ -281,9 +274,11 @@ def test_a_claim_waiting_on_the_key_lock_sees_a_winner_in_the_partition_before(p
         thread = threading.Thread(target=lambda: second.append(claim_in_thread(key)))
         thread.start()
         # Not "still running after a while": its session is seen waiting for the key lock.
-        poll_until(
+        outbox_helpers.wait_until(
             lambda: key_lock_waiters(key) == 1 or not thread.is_alive(),
-            "the second claim to wait for the key lock",
+            timeout=60,
+            what="the second claim to wait for the key lock",
+            every=0.01,
         )
         assert thread.is_alive(), "the second claim should wait for the key lock"
         assert key_lock_waiters(key) == 1
@@ -702,14 +697,15 @@ class Writers(Threads):
     def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
         """Wait until the writers have done ``what``, however slow the machine; an error, or
         every writer stopped, ends the wait at once."""
-        poll_until(
+        outbox_helpers.wait_until(
             lambda: (
                 condition()
                 or bool(self.errors)
                 or not any(thread.is_alive() for thread in self.threads)
             ),
-            what,
-            timeout,
+            timeout=timeout,
+            what=what,
+            every=0.01,
         )
         assert self.errors == []
         assert condition(), f"the writers stopped before {what}: {len(self.won)} keys won"
