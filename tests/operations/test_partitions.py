@@ -520,7 +520,7 @@ def test_the_partitioned_claim_decides_what_the_rules_say(partitioned_once, data
     now = database_now("default")
     created_at = now - timedelta(days=data.draw(st.sampled_from([0, 2])))
     ident = identity(fingerprint=MINE)
-    verdict = claim_as_the_rules_say(ident, data.draw(records(now)), now, created_at=created_at)
+    verdict = claim_as_the_rules_say(ident, data.draw(records(now)), created_at=created_at)
     rows = partition_of(ident.key)
     assert len(rows) == 1
     if verdict is Verdict.CLAIM:  # a new request: its row is in the partition of now
