@@ -20,7 +20,7 @@ import json
 import re
 import secrets
 from tempfile import SpooledTemporaryFile
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 from urllib.parse import parse_qsl, urlencode
 
 from django.conf import settings
@@ -30,6 +30,9 @@ from django.http.multipartparser import MultiPartParser, MultiPartParserError
 from django.utils.datastructures import MultiValueDict
 
 from django_idempotency.core.bounded import Recently
+
+if TYPE_CHECKING:
+    from hashlib import _Hash
 
 __all__ = [
     "BodyLimit",
@@ -94,28 +97,28 @@ def request_fingerprint(request: HttpRequest, *, max_body: BodyLimit = DJANGO_LI
     larger bound, or None for none: a body above ``DATA_UPLOAD_MAX_MEMORY_SIZE`` is then hashed
     as raw bytes as it streams, and handed back to the view spooled.
     """
-    digest = hashlib.sha256()
-    digest.update(f"{request.method}\n{canonical_path(request)}\n".encode())
     content_type = request.content_type or ""
     if not _charset_decodes(request.encoding):
         # Django's own parsers would raise on this body; its raw bytes still identify the
         # request, and the view answers the client's mistake itself.
         content_type = ""
     if content_type == "multipart/form-data":
+        digest = _head(request)
         _hash_multipart(request, digest)
         return digest.hexdigest()
-    bound = settings.DATA_UPLOAD_MAX_MEMORY_SIZE if max_body is DJANGO_LIMIT else max_body
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    bound = limit if max_body is DJANGO_LIMIT else max_body
     if not hasattr(request, "_body"):
-        _refuse_above(bound, _content_length(request))
-    if not _fits_in_memory(request):
-        _hash_raw_stream(request, digest, bound)
-        return digest.hexdigest()
+        length = _content_length(request)
+        _refuse_above(bound, length)
+        if limit is not None and length > limit:  # more than Django itself would read
+            digest = _head(request)
+            _hash_raw_stream(request, digest, bound)
+            return digest.hexdigest()
     # Django's own read: it stops past its limit whatever Content-Length claimed, and raises.
     body = request.body
     _refuse_above(bound, len(body))
-    if content_type == "application/x-www-form-urlencoded":
-        digest.update(_canonical_form(body, request.encoding))
-    elif _is_json(content_type):
+    if _is_json(content_type):
         # Everything its canonical text depends on, as it came: a retry repeats it byte for byte.
         sent = hashlib.sha256(
             f"{request.method}\0{request.path}\0{request.META.get('QUERY_STRING', '')}\0"
@@ -125,10 +128,14 @@ def request_fingerprint(request: HttpRequest, *, max_body: BodyLimit = DJANGO_LI
         seen = sent.digest()
         found = _SEEN.get(seen)
         if found is None:
+            digest = _head(request)
             digest.update(_canonical_json(body))
             found = digest.hexdigest()
             _SEEN.put(seen, found)
         return found
+    digest = _head(request)
+    if content_type == "application/x-www-form-urlencoded":
+        digest.update(_canonical_form(body, request.encoding))
     else:
         digest.update(b"raw\n" + body)
     return digest.hexdigest()
@@ -139,6 +146,11 @@ def request_fingerprint(request: HttpRequest, *, max_body: BodyLimit = DJANGO_LI
 #: fingerprint is found here without its body being parsed and written out canonically again,
 #: the costliest step of a replay's fingerprint. Digests only: no body, key or scope is kept.
 _SEEN: Recently[bytes, str] = Recently(entries=4096)
+
+
+def _head(request: HttpRequest) -> _Hash:
+    """A digest of what the request asks for, its method and path, before its body."""
+    return hashlib.sha256(f"{request.method}\n{canonical_path(request)}\n".encode())
 
 
 def _refuse_above(bound: int | None, size: int) -> None:

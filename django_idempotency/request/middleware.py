@@ -46,9 +46,16 @@ def idempotency_exempt(view: ViewT) -> ViewT:
     return view
 
 
-@lru_cache(maxsize=64)
-def _compile(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+@lru_cache(maxsize=8)
+def _compile(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
+    """``MIDDLEWARE_PATHS`` compiled, once per value of the setting."""
+    return tuple(re.compile(pattern) for pattern in patterns)
+
+
+@lru_cache(maxsize=8)
+def _options(methods: frozenset[str]) -> lifecycle.Options:
+    """The lifecycle's options for ``MIDDLEWARE_METHODS``, made once per value of the setting."""
+    return lifecycle.Options(methods=methods)
 
 
 def _screen(
@@ -147,12 +154,12 @@ class IdempotencyMiddleware:
         )  # fmt: skip
 
     def options(self) -> lifecycle.Options:
-        """The lifecycle's options for guarded requests; read from the settings each time."""
-        return lifecycle.Options(methods=conf.MIDDLEWARE_METHODS)
+        """The lifecycle's options for guarded requests, as the settings say now."""
+        return _options(conf.MIDDLEWARE_METHODS)
 
     def guards(self, request: HttpRequest) -> bool:
         """Whether ``MIDDLEWARE_PATHS`` and ``MIDDLEWARE_METHODS`` select this request."""
         if request.method not in conf.MIDDLEWARE_METHODS:
             return False
         path = request.path_info
-        return any(_compile(pattern).search(path) for pattern in conf.MIDDLEWARE_PATHS)
+        return any(pattern.search(path) for pattern in _compile(conf.MIDDLEWARE_PATHS))

@@ -88,6 +88,8 @@ REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterExcepti
 _OWN_RELEASE_REASONS = frozenset({"not_stored", "exception", "rolled_back", "refused"})
 
 _COPY = b"C"
+#: Reads a copy's metadata line (``json.loads`` without its checks of what it was given).
+_JSON = json.JSONDecoder()
 
 #: Per cache alias, when this process may use Redis again after an error (monotonic clock).
 _resting_until: dict[str, float] = {}
@@ -289,7 +291,7 @@ def _decode(value: bytes, fingerprint: str) -> Replay | None:
         return None
     head, _, body = value[1:].partition(b"\n")
     try:
-        meta = json.loads(head)
+        meta = _JSON.decode(head.decode())
         if meta["f"] != fingerprint:
             return None  # the database decides between a replay and 422
         stored = StoredResponse(

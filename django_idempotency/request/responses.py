@@ -30,10 +30,10 @@ def replay(stored: StoredResponse) -> HttpResponse:
     """The stored response again, marked as a replay."""
     if not stored.retained:
         return _not_retained(stored)
-    response = HttpResponse(stored.body, status=stored.status, headers=stored.headers)
+    headers = [*stored.headers, (conf.REPLAY_HEADER, "true")]
+    response = HttpResponse(stored.body, status=stored.status, headers=headers)
     if not any(name.lower() == "content-type" for name, _ in stored.headers):
         del response["Content-Type"]  # Django's default, which the first answer did not send
-    response[conf.REPLAY_HEADER] = "true"
     return response
 
 

@@ -128,3 +128,27 @@ def test_with_credential_scope_refuse_the_keys_stay_the_users(key):
         assert post(SCOPED, key, token)["Idempotent-Replay"] == "true"
         assert authentications() == before + 1
     assert IdempotencyRecord.objects.get(key=key).scope.startswith("user:")
+
+
+# --- the digest itself -------------------------------------------------------------------------
+
+
+def test_the_credentials_digest_is_django_s_salted_hmac_under_the_secret_key() -> None:
+    """The scope is ``salted_hmac`` of the credentials under ``SECRET_KEY`` (its key derived once
+    per secret): records written by an earlier version keep their scope, and a new secret gives
+    every client a new one."""
+    from django.utils.crypto import salted_hmac
+
+    from django_idempotency.request.scopes import _CREDENTIALS_SALT, _digest_scope
+
+    credentials = ["Token abc", "é"]
+
+    def expected() -> str:
+        digest = salted_hmac(_CREDENTIALS_SALT, "\n".join(credentials), algorithm="sha256")
+        return f"credentials:{digest.hexdigest()[:40]}"
+
+    before = _digest_scope(credentials)
+    assert before == expected()
+    with override_settings(SECRET_KEY="another secret " + "x" * 50):
+        assert _digest_scope(credentials) == expected() != before
+    assert _digest_scope(credentials) == before
