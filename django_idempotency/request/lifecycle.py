@@ -291,28 +291,24 @@ def claim(
         instrumentation.announce(identity, decision)
         return decision
     cached = redis_copy.lookup(identity)
-    if cached is not None:
-        # Redis holds committed answers only: this process may keep one at once, whatever
-        # transaction the caller is in.
-        redis_copy.note_claim(replayed=True)
-        memory.remember(identity, cached.response, cached.expires_in)
-        instrumentation.announce(identity, cached)
-        return cached
     using = store.database_alias()
-    try:
-        answered = claims.answer(identity, using) if memory.answered(identity) else None
-        decision = answered or claims.claim(
-            identity,
-            uuid.uuid4(),
-            lease_seconds=lease_seconds,
-            ttl_seconds=ttl_seconds,
-            using=using,
-        )
-    except DatabaseError as exc:
-        answer = instrumentation.store_failed(identity, exc)
-        if answer is None:
-            raise
-        raise answer from exc
+    if cached is not None:
+        decision = cached
+    else:
+        try:
+            answered = claims.answer(identity, using) if memory.answered(identity) else None
+            decision = answered or claims.claim(
+                identity,
+                uuid.uuid4(),
+                lease_seconds=lease_seconds,
+                ttl_seconds=ttl_seconds,
+                using=using,
+            )
+        except DatabaseError as exc:
+            answer = instrumentation.store_failed(identity, exc)
+            if answer is None:
+                raise
+            raise answer from exc
     if isinstance(decision, Replay) and not decision.handed_off:
         redis_copy.note_claim(replayed=True)
         # A key retried once is likely retried again: its next retries come from memory or
@@ -323,23 +319,27 @@ def claim(
             # Read inside a transaction that may have written the record and may still roll
             # back: no cache may answer for it before it commits.
             connection.on_commit(
-                partial(_remember_replay, identity, decision, time.monotonic()), robust=True
+                partial(_remember_replay, identity, decision, cached is None, time.monotonic()),
+                robust=True,
             )
         else:
-            _remember_replay(identity, decision)
+            _remember_replay(identity, decision, cached is None)
     else:
         redis_copy.note_claim(replayed=False)
     instrumentation.announce(identity, decision)
     return decision
 
 
-def _remember_replay(identity: Identity, replay: Replay, read_at: float | None = None) -> None:
-    """Copy a committed replay the database gave to Redis and this process's memory, for the
+def _remember_replay(
+    identity: Identity, replay: Replay, copy: bool, read_at: float | None = None
+) -> None:
+    """Keep a committed replay in this process's memory, and (``copy``) in Redis, for the
     seconds its record has left (less what passed since it was read, at ``read_at``)."""
     left = replay.expires_in
     if left is not None and read_at is not None:
         left -= time.monotonic() - read_at
-    redis_copy.remember(identity, replay.response, left)
+    if copy:
+        redis_copy.remember(identity, replay.response, left)
     memory.remember(identity, replay.response, left)
 
 

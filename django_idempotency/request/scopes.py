@@ -12,13 +12,10 @@ anonymous scope and receive each other's responses.
 from __future__ import annotations
 
 import hashlib
-import hmac
-from functools import lru_cache
 from typing import Any
 
-from django.conf import settings
 from django.http import HttpRequest
-from django.utils.encoding import force_bytes
+from django.utils.crypto import salted_hmac
 
 from django_idempotency.conf import conf
 from django_idempotency.core.types import MAX_SCOPE_LENGTH
@@ -63,17 +60,8 @@ def _credentials(request: Any) -> list[str] | None:
 
 
 def _digest_scope(credentials: list[str]) -> str:
-    """``salted_hmac(_CREDENTIALS_SALT, ..., algorithm="sha256")``, in one call per request:
-    the same digest, its key derived once per ``SECRET_KEY``."""
-    message = "\n".join(credentials).encode()
-    digest = hmac.digest(_hmac_key(settings.SECRET_KEY), message, "sha256")
-    return f"credentials:{digest.hex()[:40]}"
-
-
-@lru_cache(maxsize=4)
-def _hmac_key(secret: str | bytes) -> bytes:
-    """The key ``salted_hmac`` derives from the salt and ``secret``."""
-    return hashlib.sha256(force_bytes(_CREDENTIALS_SALT) + force_bytes(secret)).digest()
+    digest = salted_hmac(_CREDENTIALS_SALT, "\n".join(credentials), algorithm="sha256")
+    return f"credentials:{digest.hexdigest()[:40]}"
 
 
 def resolve_scope(request: Any) -> str:

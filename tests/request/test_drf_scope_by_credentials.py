@@ -134,9 +134,8 @@ def test_with_credential_scope_refuse_the_keys_stay_the_users(key):
 
 
 def test_the_credentials_digest_is_django_s_salted_hmac_under_the_secret_key() -> None:
-    """The scope is ``salted_hmac`` of the credentials under ``SECRET_KEY`` (its key derived once
-    per secret): records written by an earlier version keep their scope, and a new secret gives
-    every client a new one."""
+    """The scope is ``salted_hmac`` of the credentials under ``SECRET_KEY``: records written by
+    an earlier version keep their scope, and a new secret gives every client a new one."""
     from django.utils.crypto import salted_hmac
 
     from django_idempotency.request.scopes import _CREDENTIALS_SALT, _digest_scope
