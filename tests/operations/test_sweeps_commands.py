@@ -17,7 +17,7 @@ from django_idempotency.operations.sweeps import (
 )
 from django_idempotency.publishers.memory import broker
 from django_idempotency.testing import age
-from tests.support.outbox_support import publish_committed, settings_with
+from tests.support.outbox_support import publish_committed, relays_back_off_in_full, settings_with
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -363,7 +363,8 @@ def test_periodic_tasks_command_says_it_needs_django_celery_beat():
     assert "BEAT_SCHEDULE into CELERY_BEAT_SCHEDULE" in str(error.value)
 
 
-def test_relay_command_one_pass_and_exit_codes():
+def test_relay_command_one_pass_and_exit_codes(monkeypatch):
+    relays_back_off_in_full(monkeypatch)
     for n in range(3):
         publish_committed(payload={"n": n})
     assert "3 events due" in run("outbox_relay", "--dry-run")
@@ -373,7 +374,7 @@ def test_relay_command_one_pass_and_exit_codes():
     assert len(broker.snapshot()) == 3
     publish_committed()
     broker.fail_when(lambda m: True)
-    # A backoff far longer than a pass: the jitter can never make the event due again in it.
+    # A backoff far longer than a pass, taken whole: the event is not due again in it.
     with (
         settings_with(OUTBOX_BACKOFF_BASE_SECONDS=60),
         pytest.raises(CommandError, match="1 events failed") as error,

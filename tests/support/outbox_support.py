@@ -52,6 +52,16 @@ class CeilingRandom(random.Random):
         return b
 
 
+def relays_back_off_in_full(monkeypatch: Any) -> None:
+    """Every ``Relay`` made from here on, the ``outbox_relay`` command's too, uses
+    :class:`CeilingRandom`: a failure counted in a test is counted once."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(
+        "django_idempotency.outbox.relay.random", SimpleNamespace(Random=CeilingRandom)
+    )
+
+
 def relay_all() -> None:
     """Relays everything due, once: a failed event waits for its next pass."""
     with Relay(rng=CeilingRandom()) as relay:
