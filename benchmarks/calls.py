@@ -118,7 +118,9 @@ def child(variant: str, requests: int, dump: str | None) -> None:
     if variant == "ours":  # the replay floors fail on a key with no stored answer
         from benchmarks.benchproject import floors
 
-        floors.seed(replay_keys)
+        floors.seed(
+            [(key, note_body(number)) for number, key in enumerate(replay_keys)], AUTHORIZATION
+        )
 
     def guarded(number: int, key: str) -> dict[str, Any]:
         body = note_body(number).encode()
@@ -176,8 +178,15 @@ def child(variant: str, requests: int, dump: str | None) -> None:
             "ok": all(status.startswith(expected[path]) for status in statuses),
             "statuses": sorted(statuses),
         }
+        if saved := os.environ.get("CALLS_SAVE"):  # a directory: every path's profile, to diff
+            stats.dump_stats(Path(saved) / f"{variant}-{path}.prof")
         if dump == path:
-            stats.sort_stats("cumulative").print_stats(50)
+            # CALLS_SORT: pstats' order ("ncalls", ...); CALLS_ONLY: a regular expression the
+            # lines must match; CALLS_CALLERS: whose callers to print.
+            stats.sort_stats(os.environ.get("CALLS_SORT", "cumulative"))
+            stats.print_stats(*filter(None, [os.environ.get("CALLS_ONLY"), 60]))
+            if callers := os.environ.get("CALLS_CALLERS"):
+                stats.print_callers(callers)
     print("CALLS_RESULT " + json.dumps({"variant": variant, **results}))
 
 

@@ -415,14 +415,16 @@ def duplicates_let_through(server: Server, attempts: int = 8) -> int:
 def prepare_floors(servers: dict[str, Server], args: argparse.Namespace) -> None:
     """Seed a stored answer under every key the replay floors will send (the replay keys'
     scheme, under each floor's own prefix), then check that each floor finds it, that the
-    database floor's read is prepared, and that it fails on a key it does not find."""
+    database floor's read is prepared, that it fails on a key it does not find and that it
+    refuses a seeded key sent with another body."""
     keys = [
-        replay_key(servers[row.server], row.endpoint, number)
+        (replay_key(servers[row.server], row.endpoint, number), note_body(number))
         for row in SEEDED_FLOORS
         if row.endpoint is not None
         for number in range(args.replay_keys)
     ]
-    django(args, f"from benchmarks.benchproject import floors\nfloors.seed({keys!r})")
+    seeding = f"floors.seed({keys!r}, {AUTHORIZATION!r})"
+    django(args, f"from benchmarks.benchproject import floors\n{seeding}")
     for row in SEEDED_FLOORS:
         assert row.endpoint is not None
         server = servers[row.server]
@@ -440,6 +442,9 @@ def prepare_floors(servers: dict[str, Server], args: argparse.Namespace) -> None
         status, _, _ = post(url, replay_key(server, row.endpoint, args.replay_keys), NOTE_BODY)
         if status != 500:
             raise RuntimeError(f"{row.label}: got {status} for a key with no stored answer")
+        status, _, _ = post(url, replay_key(server, row.endpoint, 0), note_body(1))
+        if status != 422:
+            raise RuntimeError(f"{row.label}: got {status} for a seeded key with another body")
 
 
 @dataclass

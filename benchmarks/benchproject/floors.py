@@ -1,17 +1,22 @@
 """What the replay floors read, kept the cheapest way a layer could keep it, and their seeding.
 
-A floor is only a floor if it does no less than a layer must: it reads the request's own key
-under a scope, finds a stored answer of a real one's size that has not expired, and fails (a
-500) when it finds none, so a run whose seeding went wrong cannot pass as fast. And it does no
-more than a layer must: the Redis client keeps its connection (no pool checkout per command),
-and the database read is a server-side prepared statement on a unique ``(scope, key)`` index,
-read in binary. ``benchmarks.run`` seeds exactly the keys the floor rows send (:func:`seed`).
+A floor is only a floor if it does no less than a layer must: it derives the key's scope from
+the caller (a digest of the ``Authorization`` header, or the user DRF authenticated), reads the
+request's own key under that scope, finds a stored answer of a real one's size that has not
+expired with the fingerprint of the request that made it, reads the request's body and compares
+its digest with that fingerprint (a reused key with another body must be refused, not
+answered), and fails (a 500) when it finds none, so a run whose seeding went wrong cannot pass
+as fast. And it does no more than a layer must: the Redis client keeps its connection (no pool
+checkout per command), and the database read is a server-side prepared statement on a unique
+``(scope, key)`` index, read in binary. ``benchmarks.run`` seeds exactly the keys the floor
+rows send (:func:`seed`).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -22,23 +27,39 @@ from django.db import connection
 
 from benchmarks.benchproject import counting
 
-#: Every floor key's scope: the caller, as a layer scopes keys (one caller here).
-SCOPE = "user:1"
 #: A stored answer with its headers (330 bytes, about a note's): what both replay floors read.
 STORED_ANSWER = (b'{"id":1,"title":"bench","body":"a note","done":false}' * 7)[:330]
 #: The database floor's read: by scope and key, on their unique index, the expiry in the WHERE.
 READ = (
-    "SELECT status, body FROM bench_notes_floorrecord "
+    "SELECT status, fingerprint, body FROM bench_notes_floorrecord "
     "WHERE scope = %s AND key = %s AND expires_at > now()"
 )
+#: The length of :func:`fingerprint`'s digest, which a Redis value starts with.
+FINGERPRINT_BYTES = 32
 #: psycopg prepares nothing on a connection whose threshold is None (Django's default); with
 #: this one only the statements that ask (``prepare=True``) are prepared.
 _ONLY_WHEN_ASKED = 2**31 - 1
 _local = threading.local()
 
 
-def redis_key(key: str) -> str:
-    return f"bench:floor:{SCOPE}:{key}"
+def credentials_scope(request: Any) -> str:
+    """The caller, as a layer that answers before any authentication knows it: one digest of
+    its credentials (never the credentials themselves, which a store must not hold)."""
+    return hashlib.sha256(request.META["HTTP_AUTHORIZATION"].encode()).hexdigest()
+
+
+def user_scope(user: Any) -> str:
+    """The caller, as a layer inside DRF's view knows it: the user DRF authenticated."""
+    return f"user:{user.pk}"
+
+
+def fingerprint(body: bytes) -> bytes:
+    """The least a layer can compare a retry's body with: one digest of its bytes."""
+    return hashlib.sha256(body).digest()
+
+
+def redis_key(scope: str, key: str) -> str:
+    return f"bench:floor:{scope}:{key}"
 
 
 @functools.cache
@@ -74,12 +95,13 @@ def _cursor() -> Any:
     return kept
 
 
-def read_record(key: str) -> tuple[int, bytes] | None:
-    """The stored answer under ``key``, if it has not expired: one prepared statement."""
+def read_record(scope: str, key: str) -> tuple[int, bytes, bytes] | None:
+    """The stored answer under ``(scope, key)`` with its request's fingerprint, if it has not
+    expired: one prepared statement."""
     cursor = _cursor()
-    cursor.execute(READ, (SCOPE, key), prepare=True)
+    cursor.execute(READ, (scope, key), prepare=True)
     counting.add()  # outside Django's cursor, so its statement counter does not see it
-    row: tuple[int, bytes] | None = cursor.fetchone()
+    row: tuple[int, bytes, bytes] | None = cursor.fetchone()
     return row
 
 
@@ -103,21 +125,38 @@ def prepared() -> bool:
     return bool(count)
 
 
-def seed(keys: Iterable[str]) -> None:
-    """A stored answer under each of ``keys``, in the floor table and in Redis, expiring in a
-    day: what the replay floors read."""
+def seed(keys: Iterable[tuple[str, str]], authorization: str) -> None:
+    """A stored answer under each ``(key, body)`` of ``keys``, with that body's fingerprint,
+    in the floor table and in Redis, expiring in a day, under both scopes a floor derives for
+    the client that sends ``authorization`` (the credentials' digest; the benchmark's user):
+    what the replay floors read."""
+    from django.contrib.auth import get_user_model
+
+    from benchmarks.benchproject.authentication import BENCH_USER
     from benchmarks.benchproject.notes.models import FloorRecord
 
     keys = list(keys)
+    credentials = hashlib.sha256(authorization.encode()).hexdigest()
+    scopes = (credentials, user_scope(get_user_model().objects.get(username=BENCH_USER)))
     expires_at = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=1)
     FloorRecord.objects.bulk_create(
         [
-            FloorRecord(scope=SCOPE, key=key, expires_at=expires_at, status=201, body=STORED_ANSWER)
-            for key in keys
+            FloorRecord(
+                scope=scope,
+                key=key,
+                expires_at=expires_at,
+                status=201,
+                fingerprint=fingerprint(body.encode()),
+                body=STORED_ANSWER,
+            )
+            for scope in scopes
+            for key, body in keys
         ],
         ignore_conflicts=True,
     )
     with redis.Redis.from_url(settings.REDIS_URL).pipeline(transaction=False) as pipeline:
-        for key in keys:
-            pipeline.set(redis_key(key), STORED_ANSWER, ex=86400)
+        for scope in scopes:
+            for key, body in keys:
+                value = fingerprint(body.encode()) + STORED_ANSWER
+                pipeline.set(redis_key(scope, key), value, ex=86400)
         pipeline.execute()

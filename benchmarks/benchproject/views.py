@@ -104,25 +104,45 @@ def missing(key: str) -> HttpResponse:
     return HttpResponse(f"no stored answer for {key}".encode(), status=500)
 
 
+def another_body(key: str) -> HttpResponse:
+    """A retry whose body differs from the stored request's is refused, as a layer must."""
+    return HttpResponse(f"{key} was used with another body".encode(), status=422)
+
+
 @transaction.non_atomic_requests
 def floor_redis(request: HttpRequest) -> HttpResponse:
-    """The bare POST after one Redis GET of the key's stored answer, on a connection kept for
-    good, outside a transaction (a replay opens none): the fastest a replay kept in Redis can
-    be answered."""
+    """The bare POST after one Redis GET of the key's stored answer under the credentials'
+    scope and a check of the body's fingerprint, on a connection kept for good, outside a
+    transaction (a replay opens none): the fastest a replay kept in Redis can be answered."""
+    return _replay_from_redis(request, floors.credentials_scope(request))
+
+
+def _replay_from_redis(request: HttpRequest, scope: str) -> HttpResponse:
     key = request.META["HTTP_IDEMPOTENCY_KEY"]
-    if floors.redis_client().get(floors.redis_key(key)) is None:
+    stored = floors.redis_client().get(floors.redis_key(scope, key))
+    if stored is None:
         return missing(key)
+    if stored[: floors.FINGERPRINT_BYTES] != floors.fingerprint(request.body):
+        return another_body(key)
     return bare_post(request)
 
 
 @transaction.non_atomic_requests
 def floor_database(request: HttpRequest) -> HttpResponse:
-    """The bare POST after one prepared read of the key's stored answer by scope and key,
-    outside a transaction (as a replay's read is): the fastest a replay kept in PostgreSQL can
-    be answered. ``Bench-Check`` in the request: says whether the read is prepared."""
+    """The bare POST after one prepared read of the key's stored answer by scope (the
+    credentials') and key and a check of the body's fingerprint, outside a transaction (as a
+    replay's read is): the fastest a replay kept in PostgreSQL can be answered. ``Bench-Check``
+    in the request: says whether the read is prepared."""
+    return _replay_from_database(request, floors.credentials_scope(request))
+
+
+def _replay_from_database(request: HttpRequest, scope: str) -> HttpResponse:
     key = request.META["HTTP_IDEMPOTENCY_KEY"]
-    if floors.read_record(key) is None:
+    record = floors.read_record(scope, key)
+    if record is None:
         return missing(key)
+    if record[1] != floors.fingerprint(request.body):
+        return another_body(key)
     response = bare_post(request)
     if "HTTP_BENCH_CHECK" in request.META:
         response["Bench-Prepared"] = str(floors.prepared()).lower()
@@ -131,7 +151,7 @@ def floor_database(request: HttpRequest) -> HttpResponse:
 
 class DrfFloor(APIView):
     """DRF's request and its authentication, and nothing else DRF would check, before a read
-    made outside a transaction (a replay opens none)."""
+    made outside a transaction (a replay opens none), under the authenticated user's scope."""
 
     @classmethod
     def as_view(cls, **initkwargs: Any) -> Any:
@@ -145,20 +165,21 @@ class DrfFloorRedis(DrfFloor):
     """The Redis floor inside DRF: the caller authenticated, then one Redis GET."""
 
     def post(self, request: Request) -> HttpResponse:
-        return floor_redis(request._request)
+        return _replay_from_redis(request._request, floors.user_scope(request.user))
 
 
 class DrfFloorDatabase(DrfFloor):
     """The database floor inside DRF: the caller authenticated, then one prepared read."""
 
     def post(self, request: Request) -> HttpResponse:
-        return floor_database(request._request)
+        return _replay_from_database(request._request, floors.user_scope(request.user))
 
 
-#: The claim: a new key's row, committed on its own before the view, without waiting for its
-#: WAL flush (the business commit after it flushes it).
+#: The claim: a new key's row under its scope with its request's fingerprint, committed on its
+#: own before the view, without waiting for its WAL flush (the business commit after it flushes
+#: it).
 FLOOR_CLAIM = (
-    "INSERT INTO bench_notes_floorclaim (key) SELECT %s "
+    "INSERT INTO bench_notes_floorclaim (scope, key, fingerprint) SELECT %s, %s, %s "
     "WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL RETURNING id"
 )
 #: The completion, inside the business transaction: the answer a retry gets.
@@ -170,15 +191,22 @@ class FloorNoteView(PlainNoteView):
     (the answer stored with the note): two more statements and one more commit, with no
     idempotency layer's code. The fastest a first-time key can be served with that guarantee (a
     claim that holds the key before the view runs, its answer stored with the business data or
-    not at all)."""
+    not at all). The claim holds the key under the credentials' scope with the body's
+    fingerprint, which a retry is compared with."""
 
     @classmethod
     def as_view(cls, **initkwargs: Any) -> Any:
         return transaction.non_atomic_requests(super().as_view(**initkwargs))
 
+    def look_up(self, scope: str, key: str) -> None:
+        """Where a layer looks for a stored answer before it claims: nowhere, here."""
+
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
-        # Both prepared on the server, as a layer's own statements are.
-        (claim,) = floors.execute(FLOOR_CLAIM, (request.META["HTTP_IDEMPOTENCY_KEY"],)).fetchone()
+        # Both statements prepared on the server, as a layer's own statements are.
+        scope, key = floors.credentials_scope(request), request.META["HTTP_IDEMPOTENCY_KEY"]
+        self.look_up(scope, key)
+        claimed = (scope, key, floors.fingerprint(request.body))
+        (claim,) = floors.execute(FLOOR_CLAIM, claimed).fetchone()
         with transaction.atomic():
             response = super().dispatch(request, *args, **kwargs)
             response.render()  # type: ignore[attr-defined]
@@ -191,6 +219,5 @@ class FloorNoteRedisView(FloorNoteView):
     answer), on a kept connection: what a layer that answers replays from Redis adds to a
     first-time key at the least, since it must look there first."""
 
-    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
-        floors.redis_client().get(floors.redis_key(request.META["HTTP_IDEMPOTENCY_KEY"]))
-        return super().dispatch(request, *args, **kwargs)
+    def look_up(self, scope: str, key: str) -> None:
+        floors.redis_client().get(floors.redis_key(scope, key))

@@ -14,12 +14,20 @@ class Note(models.Model):
 
 class FloorClaim(models.Model):
     """A key claimed by the first-time floor view (``views.FloorNoteView``): the least a claim
-    committed before the view and completed inside its transaction writes, the key (unique)
-    and, at completion, the answer a retry gets, with no idempotency library's code around it."""
+    committed before the view and completed inside its transaction writes, the key under its
+    scope (unique together), the request's fingerprint and, at completion, the answer a retry
+    gets, with no idempotency library's code around it."""
 
-    key = models.CharField(max_length=255, unique=True)
+    scope = models.CharField(max_length=64)
+    key = models.CharField(max_length=255)
+    fingerprint = models.BinaryField()
     status = models.PositiveSmallIntegerField(null=True)
     body = models.BinaryField(null=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["scope", "key"], name="bench_floorclaim_scope_key")
+        ]
 
     def __str__(self) -> str:
         return self.key
@@ -27,12 +35,14 @@ class FloorClaim(models.Model):
 
 class FloorRecord(models.Model):
     """A stored answer the database replay floor reads (``views.floor_database``): the least a
-    record needs (its scope and key, unique together, its expiry, the answer's status and body),
+    record needs (its scope and key, unique together, its expiry, the fingerprint of the request
+    that made it, the answer's status and body),
     seeded by ``benchmarks.run`` for exactly the keys the floor rows send."""
 
     scope = models.CharField(max_length=64)
     key = models.CharField(max_length=255)
     expires_at = models.DateTimeField()
+    fingerprint = models.BinaryField()
     status = models.PositiveSmallIntegerField()
     body = models.BinaryField()
 
