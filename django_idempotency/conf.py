@@ -232,7 +232,12 @@ T = TypeVar("T")
 
 
 class _setting(Generic[T]):  # noqa: N801 - used as a decorator, like property
-    """A setting, parsed on first use and kept until ``IDEMPOTENCY`` changes."""
+    """A setting, parsed on first use and kept until ``IDEMPOTENCY`` changes.
+
+    The parsed value is kept in the instance's ``__dict__`` under the setting's name, where it
+    hides this descriptor (which defines no ``__set__``): every later read is a plain attribute
+    read, with no call at all, on a path that reads a dozen settings per request.
+    """
 
     def __init__(self, parse: Callable[[IdempotencySettings], T]) -> None:
         self.parse = parse
@@ -242,26 +247,21 @@ class _setting(Generic[T]):  # noqa: N801 - used as a decorator, like property
     def __get__(self, instance: IdempotencySettings | None, owner: type) -> T:
         if instance is None:
             return self  # type: ignore[return-value]
-        parsed = instance.parsed
-        try:
-            value: T = parsed[self.name]
-        except KeyError:
-            # Not kept when parsing raises: the error is raised again on every use.
-            value = parsed[self.name] = self.parse(instance)
+        # The dict is taken before parsing: a forget() meanwhile keeps the value out of the
+        # new one. Not kept when parsing raises: the error is raised again on every use.
+        kept = instance.__dict__
+        value: T = self.parse(instance)
+        kept[self.name] = value
         return value
 
 
 class IdempotencySettings:
     """View of ``settings.IDEMPOTENCY``: each attribute is its value, parsed, over the default."""
 
-    def __init__(self) -> None:
-        #: The values parsed since the setting last changed.
-        self.parsed: dict[str, Any] = {}
-
     def forget(self) -> None:
-        """Parse every setting again on its next use. A new dict rather than ``clear()``: a
-        thread parsing meanwhile stores its value in the old one."""
-        self.parsed = {}
+        """Parse every setting again on its next use. A new ``__dict__`` rather than
+        ``clear()``: a thread parsing meanwhile stores its value in the old one."""
+        self.__dict__ = {}
 
     @property
     def user_settings(self) -> Mapping[str, Any]:
