@@ -20,7 +20,16 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from django_idempotency.conf import GUARDED_METHODS, conf
-from django_idempotency.core.types import Conflict, Lease, Mismatch, StoredResponse
+from django_idempotency.core.types import (
+    Conflict,
+    Decision,
+    Identity,
+    Lease,
+    Mismatch,
+    Proceed,
+    Replay,
+    StoredResponse,
+)
 from django_idempotency.drf.browsable import IdempotentBrowsableAPIRenderer
 from django_idempotency.exceptions import IdempotencyHTTPError
 from django_idempotency.request import attach, lifecycle
@@ -44,6 +53,8 @@ __all__ = ["IdempotencyMixin", "problem_details", "screen", "serve_api_view"]
 
 #: A handler DRF calls with the request and the URL's arguments.
 Handler = Callable[..., HttpResponseBase]
+#: A key claimed before DRF built its request: what the claim is about, and what it said.
+Claimed = tuple[Identity, Decision]
 
 
 class IdempotencyMixin(_Base):
@@ -79,10 +90,67 @@ class IdempotencyMixin(_Base):
         return lifecycle.opt_out_of_atomic_requests(super().as_view(*args, **initkwargs))
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
-        if request.method in self.idempotent_methods:
+        if request.method not in self.idempotent_methods:
+            with lifecycle.atomic_requests():
+                return super().dispatch(request, *args, **kwargs)
+        claimed = self._claim_before_drf(request)
+        if isinstance(claimed, HttpResponseBase):
+            return claimed
+        self._idempotency_claimed = claimed
+        try:
             return super().dispatch(request, *args, **kwargs)
-        with lifecycle.atomic_requests():
-            return super().dispatch(request, *args, **kwargs)
+        finally:
+            # DRF failed before initial() took the claim: a key claimed for this request is
+            # given back, as a request refused before its handler gives it back.
+            unused = self.__dict__.pop("_idempotency_claimed", None)
+            if isinstance(unused, tuple) and isinstance(unused[1], Proceed):
+                release(unused[1].lease, "refused")
+
+    def _claim_before_drf(
+        self, request: HttpRequest
+    ) -> HttpResponseBase | Claimed | Exception | None:
+        """With ``idempotency_scope_by_credentials``, claim the key before DRF builds its
+        request: a replay is sent from here, with none of DRF's work; any other outcome is
+        handed to :meth:`initial` (``None``: claim there, as without the option).
+
+        Only where nothing of the claim needs DRF's request: the default fingerprint, no
+        recheck of replays, and credentials that tell the scope. An error is handed on too:
+        :meth:`initial` raises it inside DRF's exception handling, which answers it.
+        """
+        if (
+            not self.idempotency_scope_by_credentials
+            or self.idempotency_recheck_replays
+            or type(self).get_idempotency_fingerprint
+            is not IdempotencyMixin.get_idempotency_fingerprint
+        ):
+            return None
+        options = self.get_idempotency_options()
+        handler_name = (request.method or "").lower()
+        if handler_name not in self.http_method_names or not hasattr(self, handler_name):
+            return None
+        if not lifecycle.guards(request, options):
+            return None
+        try:
+            prepare_body(request)
+            scope = credentials_scope(request)
+            if scope is None:
+                return None
+            fingerprint = partial(request_fingerprint, request, max_body=self.idempotency_max_body)
+            claimed = lifecycle.first_claim(request, partial(str, scope), fingerprint, options)
+        except Exception as exc:  # noqa: BLE001 - raised again inside DRF's handling
+            return exc
+        if claimed is None:
+            return None
+        decision = claimed[1]
+        if isinstance(decision, Replay) and not decision.handed_off:
+            # DRF's own finalizing of an HttpResponse (its Allow and Vary), which reads
+            # nothing of the request: the replay is the one DRF's path would send.
+            self.headers = self.default_response_headers
+            stored = lifecycle.replay(decision.response)
+            replayed = super().finalize_response(request, stored)  # type: ignore[arg-type]
+            attach.preference_applied(request, replayed)
+            return hand_over_cleanup(request, replayed)
+        return claimed
 
     # --- hooks -----------------------------------------------------------------------------
 
@@ -132,6 +200,24 @@ class IdempotencyMixin(_Base):
         # that goes on gets DRF's own in initial(), and an error answered before that gets it
         # in handle_exception(). Only the format suffix, which negotiation reads, is set now.
         self.format_kwarg = self.get_format_suffix(**kwargs)
+        screen = partial(self.screen_duplicate, request)
+        claimed: Claimed | Exception | None = self.__dict__.pop("_idempotency_claimed", None)
+        if isinstance(claimed, Exception):  # met before DRF's request (_claim_before_drf)
+            raise claimed
+        decision: Decision | None
+        if claimed is not None:  # claimed before DRF's request
+            identity, first = claimed
+            decision = lifecycle.follow(request._request, identity, first, options, screen)
+        else:
+            decision = self._admit(request, options, screen)
+        door = _InitialDoor(self, request, args, kwargs, handler, options)
+        wrapped = lifecycle.settle(decision, door)
+        # DRF itself binds ViewSet actions to method names on the instance the same way.
+        setattr(self, handler_name, wrapped)
+
+    def _admit(
+        self, request: Request, options: lifecycle.Options, screen: lifecycle.Screen
+    ) -> Decision | None:
         # Read the body now, before an authentication or permission class can consume the
         # stream, so the fingerprint sees exactly what the handler will.
         prepare_body(request._request)
@@ -144,17 +230,13 @@ class IdempotencyMixin(_Base):
             scope = partial(self.get_idempotency_scope, request)
         else:
             scope = partial(str, early_scope)
-        decision = lifecycle.admit(
+        return lifecycle.admit(
             request._request,
             scope=scope,
             fingerprint=partial(self.get_idempotency_fingerprint, request),
             options=options,
-            screen=partial(self.screen_duplicate, request),
+            screen=screen,
         )
-        door = _InitialDoor(self, request, args, kwargs, handler, options)
-        wrapped = lifecycle.settle(decision, door)
-        # DRF itself binds ViewSet actions to method names on the instance the same way.
-        setattr(self, handler_name, wrapped)
 
     def screen_duplicate(self, request: Request) -> None:
         """The checks a duplicate passes before it may wait for the request in flight: DRF's

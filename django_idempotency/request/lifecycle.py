@@ -94,6 +94,8 @@ __all__ = [
     "Refused",
     "Screen",
     "admit",
+    "first_claim",
+    "follow",
     "atomic_requests",
     "claim",
     "default_should_store",
@@ -212,9 +214,10 @@ def admit(
     Raises an :class:`IdempotencyHTTPError` for a missing or malformed key, a scope that cannot
     be told, or a database that cannot be reached (503).
     """
-    decision = _admit(request, scope, fingerprint, options, screen, detach=False)
-    assert not isinstance(decision, Attaching)
-    return decision
+    first = first_claim(request, scope, fingerprint, options)
+    if first is None:
+        return None
+    return follow(request, *first, options, screen)
 
 
 def _admit(
@@ -228,11 +231,50 @@ def _admit(
 ) -> Decision | Attaching | None:
     """:func:`admit`; with ``detach``, a duplicate that may wait is handed back registered
     (:class:`Attaching`) instead of waiting in this thread."""
+    first = first_claim(request, scope, fingerprint, options)
+    if first is None:
+        return None
+    return _follow(request, *first, options, screen, detach=detach)
+
+
+def first_claim(
+    request: HttpRequest,
+    scope: Callable[[], str],
+    fingerprint: Callable[[], str],
+    options: Options,
+) -> tuple[Identity, Decision] | None:
+    """Read the key and claim it once, waiting for nothing: what it is about and what the claim
+    said, or ``None`` when the request has no key. :func:`follow` takes it from there."""
     key = read_key(request, required=options.long_running)
     if key is None:
         return None
     identity = identify(request, key, scope=scope(), fingerprint=fingerprint())
-    decision = claim(identity)
+    return identity, claim(identity)
+
+
+def follow(
+    request: HttpRequest,
+    identity: Identity,
+    decision: Decision,
+    options: Options,
+    screen: Screen | None = None,
+) -> Decision:
+    """What :func:`admit` decides after its :func:`first_claim` said ``decision``: for a key
+    in flight that the request may wait for, the claim made once the wait ends."""
+    followed = _follow(request, identity, decision, options, screen, detach=False)
+    assert not isinstance(followed, Attaching)
+    return followed
+
+
+def _follow(
+    request: HttpRequest,
+    identity: Identity,
+    decision: Decision,
+    options: Options,
+    screen: Screen | None,
+    *,
+    detach: bool,
+) -> Decision | Attaching:
     # A request in flight, or handed to a worker that is still at it: a duplicate may wait.
     in_flight = isinstance(decision, Conflict) or (
         isinstance(decision, Replay) and decision.handed_off

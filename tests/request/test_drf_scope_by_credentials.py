@@ -5,10 +5,12 @@ run, and the scope is exact: the same credentials, never only the same user."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.test import override_settings
+from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
@@ -128,6 +130,77 @@ def test_with_credential_scope_refuse_the_keys_stay_the_users(key):
         assert post(SCOPED, key, token)["Idempotent-Replay"] == "true"
         assert authentications() == before + 1
     assert IdempotencyRecord.objects.get(key=key).scope.startswith("user:")
+
+
+# --- claimed before DRF builds its request -----------------------------------------------------
+
+
+@pytest.fixture
+def drf_requests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths DRF built a request for (``APIView.initialize_request``); with ``fail``
+    appended, building one raises."""
+    from rest_framework.views import APIView
+
+    built: list[str] = []
+    initialize_request = APIView.initialize_request
+
+    def counted(self: APIView, request: Any, *args: Any, **kwargs: Any) -> Any:
+        built.append(request.path)
+        if "fail" in built:
+            raise RuntimeError("DRF failed to build its request")
+        return initialize_request(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(APIView, "initialize_request", counted)
+    return built
+
+
+def test_a_replay_is_sent_before_drf_builds_its_request_the_same_as_drf_would(
+    key, drf_requests, django_assert_num_queries
+):
+    token = token_for(UserFactory())
+    first = post(SCOPED, key, token)
+    assert first.status_code == 201 and drf_requests == [SCOPED]
+    with django_assert_num_queries(1):  # the claim's read
+        retry = post(SCOPED, key, token)
+    assert drf_requests == [SCOPED]  # none for the replay
+    assert retry.status_code == 201 and retry.content == first.content
+    assert retry["Idempotent-Replay"] == "true"
+    for header in ("Content-Type", "Location", "Allow", "Vary"):
+        assert retry[header] == first[header], header
+    # Control: keys scoped by DRF's user are claimed inside DRF's request.
+    assert post(BY_USER, key, token).status_code == 201
+    assert post(BY_USER, key, token)["Idempotent-Replay"] == "true"
+    assert drf_requests == [SCOPED, BY_USER, BY_USER]
+
+
+def test_a_key_claimed_before_drf_fails_to_build_its_request_is_given_back(key, drf_requests):
+    token = token_for(UserFactory())
+    drf_requests.append("fail")
+    with pytest.raises(RuntimeError, match="DRF failed to build its request"):
+        post(SCOPED, key, token)
+    assert not IdempotencyRecord.objects.filter(key=key).exists()  # not held until its lease
+    drf_requests.remove("fail")
+    assert post(SCOPED, key, token).status_code == 201  # a retry runs at once, no 409
+    assert Widget.objects.count() == 1
+
+
+def test_a_key_in_flight_claimed_before_drf_is_refused_by_drf(key, drf_requests):
+    """A claim made before DRF's request that finds the key in flight is answered inside DRF,
+    as a 409 with DRF's problem details; a malformed key is DRF's 400 the same way."""
+    token = token_for(UserFactory())
+    assert post(SCOPED, key, token).status_code == 201
+    IdempotencyRecord.objects.filter(key=key).update(
+        status="IN_PROGRESS", lease_expires_at=timezone.now() + timedelta(minutes=5)
+    )
+    conflict = post(SCOPED, key, token)
+    assert conflict.status_code == 409, conflict.content
+    assert conflict["Content-Type"] == "application/problem+json"
+    assert "Retry-After" in conflict
+    malformed = post(SCOPED, "x" * 1000, token)
+    assert malformed.status_code == 400, malformed.content
+    assert malformed["Content-Type"] == "application/problem+json"
+    assert drf_requests == [SCOPED] * 3  # both answered through DRF's own handling
+    assert Widget.objects.count() == 1
 
 
 # --- the digest itself -------------------------------------------------------------------------
