@@ -203,6 +203,44 @@ def test_a_key_in_flight_claimed_before_drf_is_refused_by_drf(key, drf_requests)
     assert Widget.objects.count() == 1
 
 
+def test_a_duplicate_claimed_before_drf_passes_drfs_checks_before_it_may_wait(
+    key, monkeypatch: pytest.MonkeyPatch
+):
+    """A key in flight, met before DRF's request by a duplicate asking to wait: DRF
+    authenticates it first. A revoked token (same credentials, same scope) gets DRF's 401 and
+    never waits; a valid one waits (control)."""
+    from django_idempotency.request import attach
+
+    enlisted: list[str] = []
+    enlist = attach.enlist
+
+    def counted(request: Any, identity: Any, *args: Any) -> Any:
+        enlisted.append(identity.key)
+        return enlist(request, identity, *args)
+
+    monkeypatch.setattr(attach, "enlist", counted)
+    user = UserFactory()
+    token = token_for(user)
+    assert post(SCOPED, key, token).status_code == 201
+    IdempotencyRecord.objects.filter(key=key).update(
+        status="IN_PROGRESS", lease_expires_at=timezone.now() + timedelta(minutes=5)
+    )
+    headers = {"HTTP_AUTHORIZATION": token, "HTTP_PREFER": "wait=1"}
+    Token.objects.filter(user=user).delete()
+    refused = APIClient().post(
+        SCOPED, {"name": "w"}, format="json", HTTP_IDEMPOTENCY_KEY=key, **headers
+    )
+    assert refused.status_code == 401, refused.content
+    assert enlisted == []
+    Token.objects.create(user=user, key=token.removeprefix("Token "))
+    waited = APIClient().post(
+        SCOPED, {"name": "w"}, format="json", HTTP_IDEMPOTENCY_KEY=key, **headers
+    )
+    assert waited.status_code == 409, waited.content  # still in flight after its wait
+    assert enlisted == [key]
+    assert Widget.objects.count() == 1
+
+
 # --- the digest itself -------------------------------------------------------------------------
 
 
