@@ -24,6 +24,7 @@ replay needs no more than the read does), then reads as the plain floor does.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, TypeVar
 
 from django.conf import settings
@@ -175,15 +176,23 @@ class DrfFloorDatabase(DrfFloor):
         return _replay_from_database(request._request, floors.user_scope(request.user))
 
 
-#: The claim: a new key's row under its scope with its request's fingerprint, committed on its
-#: own before the view, without waiting for its WAL flush (the business commit after it flushes
-#: it).
+#: The claim: a new key's row under its scope with its request's fingerprint and its owner, a
+#: lease of ``LEASE_SECONDS`` and an expiry ``TTL_SECONDS`` after that (the library's defaults),
+#: committed on its own before the view, without waiting for its WAL flush (the business commit
+#: after it flushes it).
 FLOOR_CLAIM = (
-    "INSERT INTO bench_notes_floorclaim (scope, key, fingerprint) SELECT %s, %s, %s "
+    "INSERT INTO bench_notes_floorclaim "
+    "(scope, key, fingerprint, owner, lease_expires_at, expires_at) "
+    "SELECT %s, %s, %s, %s, statement_timestamp() + interval '30 seconds', "
+    "statement_timestamp() + interval '86430 seconds' "
     "WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL RETURNING id"
 )
-#: The completion, inside the business transaction: the answer a retry gets.
-FLOOR_COMPLETE = "UPDATE bench_notes_floorclaim SET status = %s, body = %s WHERE id = %s"
+#: The completion, inside the business transaction and fenced by the owner (a request whose
+#: key was taken over must not store its answer): the answer a retry gets. It changes no
+#: indexed column, so PostgreSQL can update the row in place.
+FLOOR_COMPLETE = (
+    "UPDATE bench_notes_floorclaim SET status = %s, body = %s WHERE id = %s AND owner = %s"
+)
 
 
 class FloorNoteView(PlainNoteView):
@@ -205,12 +214,15 @@ class FloorNoteView(PlainNoteView):
         # Both statements prepared on the server, as a layer's own statements are.
         scope, key = floors.credentials_scope(request), request.META["HTTP_IDEMPOTENCY_KEY"]
         self.look_up(scope, key)
-        claimed = (scope, key, floors.fingerprint(request.body))
+        owner = uuid.uuid4()
+        claimed = (scope, key, floors.fingerprint(request.body), owner)
         (claim,) = floors.execute(FLOOR_CLAIM, claimed).fetchone()
         with transaction.atomic():
             response = super().dispatch(request, *args, **kwargs)
             response.render()  # type: ignore[attr-defined]
-            floors.execute(FLOOR_COMPLETE, (response.status_code, response.content, claim))
+            completed = (response.status_code, response.content, claim, owner)
+            if floors.execute(FLOOR_COMPLETE, completed).rowcount != 1:
+                raise RuntimeError(f"the floor's claim of {key} was taken over")
         return response
 
 

@@ -15,12 +15,17 @@ class Note(models.Model):
 class FloorClaim(models.Model):
     """A key claimed by the first-time floor view (``views.FloorNoteView``): the least a claim
     committed before the view and completed inside its transaction writes, the key under its
-    scope (unique together), the request's fingerprint and, at completion, the answer a retry
-    gets, with no idempotency library's code around it."""
+    scope (unique together), the request's fingerprint, its owner and the end of its lease (a
+    claim whose request died must be taken over, and the completion must be its owner's), when
+    the record expires (indexed: a sweep must find what to delete) and, at completion, the
+    answer a retry gets, with no idempotency library's code around it."""
 
     scope = models.CharField(max_length=64)
     key = models.CharField(max_length=255)
     fingerprint = models.BinaryField()
+    owner = models.UUIDField()
+    lease_expires_at = models.DateTimeField()
+    expires_at = models.DateTimeField(db_index=True)
     status = models.PositiveSmallIntegerField(null=True)
     body = models.BinaryField(null=True)
 
