@@ -40,6 +40,7 @@ from benchmarks.benchproject.notes.serializers import NoteSerializer
 from demo_project.payments import services
 from demo_project.payments.models import Payment
 from demo_project.payments.serializers import PaymentSerializer
+from django_idempotency.conf import DEFAULTS
 
 # The demo publishes payment.completed through the outbox, which needs our app and its
 # IDEMPOTENCY["OUTBOX_PUBLISHERS"]; drf-idempotency reads a setting of the same name and refuses
@@ -176,15 +177,16 @@ class DrfFloorDatabase(DrfFloor):
         return _replay_from_database(request._request, floors.user_scope(request.user))
 
 
+_LEASE, _TTL = DEFAULTS["LEASE_SECONDS"], DEFAULTS["TTL_SECONDS"]
 #: The claim: a new key's row under its scope with its request's fingerprint and its owner, a
-#: lease of ``LEASE_SECONDS`` and an expiry ``TTL_SECONDS`` after that (the library's defaults),
-#: committed on its own before the view, without waiting for its WAL flush (the business commit
-#: after it flushes it).
+#: lease of the library's default ``LEASE_SECONDS`` and an expiry its ``TTL_SECONDS`` after
+#: that, committed on its own before the view, without waiting for its WAL flush (the business
+#: commit after it flushes it).
 FLOOR_CLAIM = (
     "INSERT INTO bench_notes_floorclaim "
     "(scope, key, fingerprint, owner, lease_expires_at, expires_at) "
-    "SELECT %s, %s, %s, %s, statement_timestamp() + interval '30 seconds', "
-    "statement_timestamp() + interval '86430 seconds' "
+    f"SELECT %s, %s, %s, %s, statement_timestamp() + interval '{_LEASE} seconds', "
+    f"statement_timestamp() + interval '{_LEASE + _TTL} seconds' "
     "WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL RETURNING id"
 )
 #: The completion, inside the business transaction and fenced by the owner (a request whose
