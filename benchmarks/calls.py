@@ -2,7 +2,8 @@
 
 The lightest create endpoint of the HTTP benchmark (``benchproject/notes``) is called through
 Django's WSGI handler, in one process, on PostgreSQL: the plain create, a first-time key, a
-replay, the bare GET (the ceiling) and the bare POST (a replay's request answered by a view that
+replay, a cold replay (a completed key this process has not answered: ours, database only), the
+bare GET (the ceiling) and the bare POST (a replay's request answered by a view that
 does nothing; ours only), for ours on the database, with the Redis copy and with answers kept in
 memory, and for the peers; and once the floors (``benchproject.views``: what any layer must do
 at the least, with no layer's code). Per path it prints the Python function calls per request
@@ -47,7 +48,7 @@ VARIANTS = {
     "drfi-redis": "drf-idempotency, Redis",
     "dik": "django-idempotency-key, Redis",
 }
-PATHS = ("plain", "first", "replay", "get", "post")
+PATHS = ("plain", "first", "replay", "cold", "get", "post")
 #: The floors (``benchproject.views``): what any layer must do at the least, with no layer's
 #: code; the same for every variant, so counted in the database variant's process only.
 FLOOR_PATHS = (
@@ -58,7 +59,7 @@ FLOOR_PATHS = (
 #: key, the plain create included. The bare POST (a replay's request answered by a view that does
 #: nothing) is ours alone: the peers' middleware would guard it.
 SKIPPED = {("dik", "plain"), ("dik", "post"), ("drfi-db", "post"), ("drfi-redis", "post")} | {
-    (variant, path) for variant in VARIANTS if variant != "ours" for path in FLOOR_PATHS
+    (variant, path) for variant in VARIANTS if variant != "ours" for path in (*FLOOR_PATHS, "cold")
 }
 NOTE = note_body(0).encode()
 #: Distinct keys the replay path cycles over, each completed before the count.
@@ -134,6 +135,12 @@ def child(variant: str, requests: int, dump: str | None) -> None:
         number = next(counter) % REPLAY_KEYS
         return guarded(number, replay_keys[number])
 
+    cold_keys = iter(range(10**9))
+
+    def cold() -> dict[str, Any]:
+        number = next(cold_keys)
+        return guarded(number, f"k-{prefix}-{number}")
+
     def floor(path: str, key: str) -> dict[str, Any]:
         return environ("POST", path, NOTE, key, AUTHORIZATION)
 
@@ -141,6 +148,7 @@ def child(variant: str, requests: int, dump: str | None) -> None:
         "plain": lambda: environ("POST", "/plain/notes/", NOTE, None, AUTHORIZATION),
         "first": first,
         "replay": replay,
+        "cold": cold,
         "get": lambda: environ("GET", "/get/"),
         "post": lambda: floor("/post/", replay_keys[0]),
         "floor-redis": lambda: floor("/floor/redis/", replay_keys[0]),
@@ -150,7 +158,7 @@ def child(variant: str, requests: int, dump: str | None) -> None:
         "floor-first": lambda: floor("/floor/notes/", f"c-{prefix}-{next(counter)}"),
         "floor-first-redis": lambda: floor("/floor/notes/redis/", f"c-{prefix}-{next(counter)}"),
     }
-    expected = {"plain": "201", "first": "201", "replay": "201", "get": "200", "post": "201"}
+    expected = dict.fromkeys(("plain", "first", "replay", "cold", "post"), "201") | {"get": "200"}
     expected |= dict.fromkeys(FLOOR_PATHS, "201")
     for number, key in enumerate(replay_keys):
         for _ in range(2):  # completed, then replayed once (which copies it to Redis)
@@ -159,6 +167,13 @@ def child(variant: str, requests: int, dump: str | None) -> None:
     for path, make in makers.items():
         if (variant, path) in SKIPPED:
             continue
+        if path == "cold":  # completed here, then forgotten: as if another process had
+            for number in range(30 + 2 * requests):
+                call(guarded(number, f"k-{prefix}-{number}"))
+            from django_idempotency.request import fingerprint, memory
+
+            memory.clear()  # the read-first hint
+            fingerprint._SEEN.clear()  # the fingerprint of a body seen before
         for _ in range(30):  # warm: connections, prepared statements, caches
             call(make())
         timed = [make() for _ in range(requests)]
@@ -232,9 +247,9 @@ def migrate() -> None:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| variant | plain create | first-time | replay | bare GET | bare POST | first-time CPU ms "
-        "(plain) | replay CPU ms (GET, POST) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | plain create | first-time | replay | cold replay | bare GET | bare POST "
+        "| first-time CPU ms (plain) | replay CPU ms (GET, POST) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for result in results:
 

@@ -59,11 +59,3 @@ def total(directory: Path, variant: str) -> int:
         for path in directory.glob(f"{variant}-*")
         if path.name.removeprefix(f"{variant}-").isdigit()
     )
-
-
-def add(statements: int = 1) -> None:
-    """Count statements run outside Django's cursors (a floor's own psycopg cursor)."""
-    if _state["installed"]:
-        counter = _counter()
-        _state["count"] += statements
-        _COUNTER.pack_into(counter, 0, _state["count"])

@@ -5,11 +5,12 @@ the caller (a digest of the ``Authorization`` header, or the user DRF authentica
 request's own key under that scope, finds a stored answer of a real one's size that has not
 expired with the fingerprint of the request that made it, reads the request's body and compares
 its digest with that fingerprint (a reused key with another body must be refused, not
-answered), and fails (a 500) when it finds none, so a run whose seeding went wrong cannot pass
-as fast. And it does no more than a layer must: the Redis client keeps its connection (no pool
-checkout per command), and the database read is a server-side prepared statement on a unique
-``(scope, key)`` index, read in binary. ``benchmarks.run`` seeds exactly the keys the floor
-rows send (:func:`seed`).
+answered), fails (a 500) when it finds none, so a run whose seeding went wrong cannot pass as
+fast, and runs its SQL through Django's cursor wrapper, as a layer inside Django must. And it
+does no more than a layer must: the Redis client keeps its connection (no pool checkout per
+command), and the database read is a server-side prepared statement on a unique ``(scope,
+key)`` index, read in binary. ``benchmarks.run`` seeds exactly the keys the floor rows send
+(:func:`seed`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from typing import Any
 
 import redis
 from django.conf import settings
-from django.db import connection
-
-from benchmarks.benchproject import counting
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 
 #: A stored answer with its headers (330 bytes, about a note's): what both replay floors read.
 STORED_ANSWER = (b'{"id":1,"title":"bench","body":"a note","done":false}' * 7)[:330]
@@ -79,28 +78,47 @@ def redis_client() -> redis.Redis:
 
 
 def _cursor() -> Any:
-    """A psycopg cursor binding on the server, kept with this thread's connection (opened
-    again after a reconnection); Django's own cursors bind on the client and prepare nothing."""
-    import psycopg
+    """A psycopg cursor that binds on the server, kept with this thread's connection (opened
+    again after a reconnection), lent through Django's own cursor wrapper as Django lends each
+    of its cursors: a layer inside Django must let it check the connection's health, translate
+    a database error (so that a broken connection is closed at the request's end) and run the
+    project's execute wrappers (its instrumentation, ``assertNumQueries``). Django's own cursors
+    bind on the client and prepare nothing."""
+    from django.db.backends.utils import CursorWrapper
     from psycopg.pq import Format
 
-    connection.ensure_connection()
-    raw = connection.connection
+    db = connections[DEFAULT_DB_ALIAS]  # this thread's, looked up once (not through the proxy)
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    raw = db.connection
     kept = getattr(_local, "cursor", None)
-    if kept is None or kept.connection is not raw:
+    if kept is None or kept.cursor.connection is not raw:
         if raw.prepare_threshold is None:
             raw.prepare_threshold = _ONLY_WHEN_ASKED
-        kept = _local.cursor = psycopg.Cursor(raw)
-        kept.format = Format.BINARY  # the body comes back as bytes, not as hex to decode
+        opened = _preparing()(raw)
+        opened.format = Format.BINARY  # the body comes back as bytes, not as hex to decode
+        kept = _local.cursor = CursorWrapper(opened, db)
+    db.validate_thread_sharing()
     return kept
+
+
+@functools.cache
+def _preparing() -> type:
+    """A psycopg cursor whose statements are prepared on the server."""
+    import psycopg
+
+    class Preparing(psycopg.Cursor[Any]):
+        def execute(self, query: Any, params: Any = None, **options: Any) -> Any:
+            return super().execute(query, params, prepare=True, **options)
+
+    return Preparing
 
 
 def read_record(scope: str, key: str) -> tuple[int, bytes, bytes] | None:
     """The stored answer under ``(scope, key)`` with its request's fingerprint, if it has not
     expired: one prepared statement."""
     cursor = _cursor()
-    cursor.execute(READ, (scope, key), prepare=True)
-    counting.add()  # outside Django's cursor, so its statement counter does not see it
+    cursor.execute(READ, (scope, key))
     row: tuple[int, bytes, bytes] | None = cursor.fetchone()
     return row
 
@@ -109,8 +127,7 @@ def execute(sql: str, params: tuple[Any, ...]) -> Any:
     """``sql`` as one prepared statement on this thread's connection (the first-time floor's
     claim and completion, prepared as a layer's are); the cursor, to fetch from."""
     cursor = _cursor()
-    cursor.execute(sql, params, prepare=True)
-    counting.add()
+    cursor.execute(sql, params)
     return cursor
 
 
