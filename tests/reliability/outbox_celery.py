@@ -59,8 +59,10 @@ def _work_dir() -> Path:
 def _log_delivery(event: str, task_id: str | None, task: Any) -> None:
     # The signals are global: leave other apps' tasks (the rest of the suite's) alone.
     if getattr(task, "app", None) is app and "REL_WORK_DIR" in os.environ:
+        # Whether the broker delivered this message before (it requeued it unacknowledged).
+        again = bool((task.request.delivery_info or {}).get("redelivered"))
         with open(_work_dir() / f"deliveries-{os.getpid()}.log", "a") as log:
-            log.write(f"{event} {task_id} {time.time():.4f}\n")
+            log.write(f"{event} {task_id} {time.time():.4f} {int(again)}\n")
 
 
 @task_prerun.connect
