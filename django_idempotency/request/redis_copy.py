@@ -80,8 +80,15 @@ except ImportError:  # pragma: no cover - redis-py before 4.1 has no cluster cli
 
 #: What counts as "Redis failed": the client's own errors, and the socket errors beneath them.
 #: redis-py's cluster client raises ``RedisClusterException`` (not a ``RedisError``) when no node
-#: answers or a slot has no master, as happens in the seconds of a failover.
-REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
+#: answers or a slot has no master, as happens in the seconds of a failover; and, when threads
+#: refresh its table of nodes at once in those seconds, ``RuntimeError`` ("dictionary keys
+#: changed during iteration"). Only the client's call sits in each ``try``.
+REDIS_ERRORS: tuple[type[BaseException], ...] = (
+    RedisError,
+    RedisClusterException,
+    OSError,
+    RuntimeError,
+)
 
 #: ``key_released`` reasons for a request giving up its own PROCESSING record, which never has
 #: a copy in Redis; any other release (the admin's, a sweep's) deletes the copy.

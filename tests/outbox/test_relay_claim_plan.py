@@ -9,6 +9,7 @@ time: the same on any machine.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +53,25 @@ def fill(pending: int, dead: int = 0, keys: int = KEYS) -> None:
 def analyze() -> None:
     with connection.cursor() as cursor:
         cursor.execute(f"ANALYZE {TABLE}")
+
+
+def wait_until_no_other_snapshot(timeout: float = 60.0) -> None:
+    """Wait until no other session of this database holds a snapshot (an autovacuum's ANALYZE
+    of the rows just written, say): until then, what a scan finds dead may still be visible to
+    it, and the scan cannot mark its index entries dead."""
+    deadline = time.monotonic() + timeout
+    with connection.cursor() as cursor:
+        while True:
+            cursor.execute(
+                "SELECT string_agg(backend_type || ': ' || left(query, 80), '; ') "
+                "FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND backend_xmin IS NOT NULL"
+            )
+            (holders,) = cursor.fetchone()
+            if holders is None:
+                return
+            assert time.monotonic() < deadline, f"snapshots held for {timeout} s: {holders}"
+            time.sleep(0.1)
 
 
 def claim_statement(relay: Relay) -> tuple[str, Any]:
@@ -206,7 +226,8 @@ def test_a_claim_with_100000_events_behind_failed_ones_reads_only_the_failed_one
     analyze()
     # The first scan after the set-aside steps over the index entries the events left as
     # PENDING, once, and marks them dead (as a vacuum would): from then on, claims read the
-    # heads only.
+    # heads only. It can only once no other session may still see those entries' events.
+    wait_until_no_other_snapshot()
     first = buffers(relay)
     claimed, touched = buffers(relay)
     assert claimed == 0

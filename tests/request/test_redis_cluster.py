@@ -130,6 +130,36 @@ def test_an_unreachable_cluster_falls_back_to_the_database(settings: Any, key: s
     assert Widget.objects.count() == 1
 
 
+def test_a_client_that_fails_its_refresh_of_the_nodes_falls_back_to_the_database(
+    settings: Any, key: str, monkeypatch: Any
+) -> None:
+    """In the seconds of a failover, threads that refresh redis-py's cluster table of nodes at
+    once make it raise ``RuntimeError``: a Redis failure too, never a 500."""
+    configure(settings, "redis://127.0.0.1:1/0", cluster=True, CACHE_RETRY_SECONDS=0)
+
+    class Refreshing:
+        def get(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("dictionary keys changed during iteration")
+
+        set = get
+
+    monkeypatch.setattr(redis_copy, "_client", Refreshing)
+    failures: list[str] = []
+
+    def record(sender: Any, operation: str, error: BaseException, **kwargs: Any) -> None:
+        failures.append(f"{operation}: {type(error).__name__}")
+
+    signals.redis_copy_failed.connect(record)
+    try:
+        first, retry = post(APIClient(), key), post(APIClient(), key)
+    finally:
+        signals.redis_copy_failed.disconnect(record)
+    assert (first.status_code, retry.status_code) == (201, 201)
+    assert retry["Idempotent-Replay"] == "true"
+    assert failures[:3] == [f"{step}: RuntimeError" for step in ("lookup", "lookup", "remember")]
+    assert Widget.objects.count() == 1
+
+
 # --- failover under load ------------------------------------------------------------------------
 
 
