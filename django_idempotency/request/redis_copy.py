@@ -82,7 +82,7 @@ except ImportError:  # pragma: no cover - redis-py before 4.1 has no cluster cli
 #: redis-py's cluster client raises ``RedisClusterException`` (not a ``RedisError``) when no node
 #: answers or a slot has no master, as happens in the seconds of a failover; and, when threads
 #: refresh its table of nodes at once in those seconds, ``RuntimeError`` ("dictionary keys
-#: changed during iteration"). Only the client's call sits in each ``try``.
+#: changed during iteration"). Each ``try`` holds one client call and the arguments built for it.
 REDIS_ERRORS: tuple[type[BaseException], ...] = (
     RedisError,
     RedisClusterException,
