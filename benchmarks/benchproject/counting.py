@@ -19,7 +19,7 @@ from typing import Any
 from django.db.backends.signals import connection_created
 
 _COUNTER = struct.Struct("=Q")
-_state: dict[str, Any] = {"pid": None, "map": None, "count": 0, "installed": False}
+_state: dict[str, Any] = {"pid": None, "map": None, "count": 0}
 
 
 def _counter() -> mmap.mmap:
@@ -48,7 +48,6 @@ def _on_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
 
 def install() -> None:
     if os.environ.get("BENCH_COUNT_DIR"):
-        _state["installed"] = True
         connection_created.connect(_on_connection, dispatch_uid="bench-statement-counter")
 
 
