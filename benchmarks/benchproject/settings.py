@@ -12,6 +12,7 @@ migrations. ``<variant>-cold`` is a second server of a variant, with the same se
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -87,6 +88,9 @@ if OURS:
     IDEMPOTENCY: dict[str, Any] = {"CACHE_ALIAS": "redis" if with_redis else None}
     if VARIANT == "ours-memory":
         IDEMPOTENCY["LOCAL_REPLAY_SECONDS"] = 5
+    # An experiment's settings over ours (JSON), e.g. '{"METRICS": false}': what a feature costs
+    # (benchmarks/NOTES.md). Never set by `make bench`.
+    IDEMPOTENCY.update(json.loads(os.environ.get("BENCH_IDEMPOTENCY", "{}")))
 if VARIANT == "ours-middleware":
     # The middleware answers a replay before the view, so before DRF: the caller is told by
     # the digest of its Authorization header (CREDENTIAL_HEADERS), which DRF checks on the

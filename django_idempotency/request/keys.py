@@ -7,15 +7,18 @@ bare token. Both spellings of the same characters name the same record.
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 from typing import Any
 
+from django.conf import settings
 from django.http.request import HttpHeaders
-from django.utils.crypto import salted_hmac
+from django.utils.encoding import force_bytes
 
 from django_idempotency.core.types import MAX_KEY_LENGTH
 from django_idempotency.exceptions import IdempotencyKeyInvalid
 
-__all__ = ["MAX_KEY_LENGTH", "header", "parse_key", "redact"]
+__all__ = ["MAX_KEY_LENGTH", "header", "parse_key", "redact", "salted_digest"]
 
 
 _BARE_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F)) - {",", '"', "\\"}
@@ -85,4 +88,17 @@ def redact(key: str) -> str:
     guessable (``order-123``) and a plain hash of a guess would find them. Rotating
     SECRET_KEY changes every redacted form.
     """
-    return "hmac:" + salted_hmac(_REDACT_SALT, key, algorithm="sha256").hexdigest()[:12]
+    return "hmac:" + salted_digest(_REDACT_SALT, key)[:12]
+
+
+def salted_digest(salt: str, value: str) -> str:
+    """Django's ``salted_hmac(salt, value, algorithm="sha256").hexdigest()``, its key derived
+    once per ``SECRET_KEY`` rather than on every call: the credentials' scope is one per
+    request."""
+    key = _salted_key(salt, settings.SECRET_KEY)
+    return hmac.digest(key, value.encode(), "sha256").hex()
+
+
+@functools.lru_cache(maxsize=16)
+def _salted_key(salt: str, secret: str | bytes) -> bytes:
+    return hashlib.sha256(force_bytes(salt) + force_bytes(secret)).digest()

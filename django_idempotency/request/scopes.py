@@ -15,12 +15,11 @@ import hashlib
 from typing import Any
 
 from django.http import HttpRequest
-from django.utils.crypto import salted_hmac
 
 from django_idempotency.conf import conf
 from django_idempotency.core.types import MAX_SCOPE_LENGTH
 from django_idempotency.exceptions import CredentialsNotScoped
-from django_idempotency.request.keys import header
+from django_idempotency.request.keys import header, salted_digest
 
 __all__ = ["MAX_SCOPE_LENGTH", "credentials_scope", "resolve_scope", "user_scope"]
 
@@ -60,8 +59,8 @@ def _credentials(request: Any) -> list[str] | None:
 
 
 def _digest_scope(credentials: list[str]) -> str:
-    digest = salted_hmac(_CREDENTIALS_SALT, "\n".join(credentials), algorithm="sha256")
-    return f"credentials:{digest.hexdigest()[:40]}"
+    digest = salted_digest(_CREDENTIALS_SALT, "\n".join(credentials))
+    return f"credentials:{digest[:40]}"
 
 
 def resolve_scope(request: Any) -> str:

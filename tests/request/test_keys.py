@@ -48,3 +48,20 @@ def test_a_guessed_key_cannot_be_confirmed_without_the_secret_key():
         assert digest(b"order-123").hexdigest()[:12] not in redacted
     with override_settings(SECRET_KEY="another-secret-key-entirely-for-this-test"):
         assert redact("order-123") != redacted  # rotating SECRET_KEY rotates it
+
+
+@pytest.mark.parametrize("secret", ["a str secret " + "x" * 40, b"a bytes secret " + b"x" * 40])
+def test_salted_digest_is_django_s_salted_hmac_under_the_secret_key_of_the_moment(secret):
+    """Its key is derived once per secret, and the digest is the one ``salted_hmac`` gives:
+    redacted keys and credentials' scopes stored before stay the same."""
+    from django.utils.crypto import salted_hmac
+
+    from django_idempotency.request.keys import salted_digest
+
+    def expected(value: str) -> str:
+        return salted_hmac("a salt", value, algorithm="sha256").hexdigest()
+
+    with override_settings(SECRET_KEY=secret):
+        assert salted_digest("a salt", "Token é") == expected("Token é")
+        assert salted_digest("another salt", "Token é") != expected("Token é")
+    assert salted_digest("a salt", "Token é") == expected("Token é")  # the project's own secret
