@@ -354,6 +354,8 @@ def start(server: Server, args: argparse.Namespace) -> None:
             sys.executable, "-m", "gunicorn", "benchmarks.benchproject.wsgi:application",
             "--workers", str(args.workers), "--bind", f"127.0.0.1:{server.port}",
             "--log-level", "warning", "--backlog", "2048",
+            # Every server would bind the same control socket (~/.gunicorn/gunicorn.ctl).
+            "--no-control-socket",
         ],
         env=environment(server.variant, args),
         cwd=ROOT,
