@@ -15,6 +15,7 @@ Prepared statements belong to the session: behind a pooler that does not keep se
 from __future__ import annotations
 
 import datetime
+import json
 from contextlib import AbstractContextManager
 from functools import cache
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = ["cursor"]
 #: A threshold no statement reaches: psycopg prepares nothing on a connection whose threshold
 #: is None (Django's default), and with this one only the statements that ask are prepared.
 _ONLY_WHEN_ASKED = 2**31 - 1
+_JSON_DECODER = json.JSONDecoder()
 
 
 def cursor(connection: BaseDatabaseWrapper, *, binary: bool = False) -> AbstractContextManager[Any]:
@@ -120,7 +122,10 @@ def _open(connection: BaseDatabaseWrapper, binary: bool) -> Any:
     opened = _wrappers().cursor(raw)
     timezone = getattr(connection, "timezone", None)
     if binary:
+        from psycopg.types.json import set_json_loads
+
         opened.format = Format.BINARY
+        set_json_loads(_json_loads, opened)
         # Django registers its time zone loader for the text format only: without one,
         # timestamps would come back aware in the session's zone even where Django gives
         # naive ones (USE_TZ = False).
@@ -132,6 +137,13 @@ def _open(connection: BaseDatabaseWrapper, binary: bool) -> Any:
     if timezone != loader.timezone:
         register_tzloader(timezone, opened)
     return opened
+
+
+def _json_loads(data: str | bytes) -> Any:
+    """``json.loads`` for what PostgreSQL sends a Django connection, always UTF-8: half its
+    calls, without its sniffing of the bytes' encoding (a stored response's headers are
+    read on every replay from the database)."""
+    return _JSON_DECODER.decode(data.decode() if isinstance(data, bytes) else data)
 
 
 def _psycopg_gives_djangos_times(raw: Any, timezone: Any) -> bool:

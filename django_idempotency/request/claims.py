@@ -67,14 +67,15 @@ def claim(
     *,
     lease_seconds: float | None = None,
     ttl_seconds: float | None = None,
-    using: str | None = None,
+    connection: BaseDatabaseWrapper | None = None,
 ) -> Decision:
     """What this request may do with its key. Database errors propagate to the caller.
 
     ``lease_seconds`` and ``ttl_seconds`` override ``LEASE_SECONDS`` and ``TTL_SECONDS`` for
     this key; the lease granted carries them, so its heartbeat and completion use them too.
+    ``connection``: the records' database's, when the caller has it (else looked up).
     """
-    connection = connections[using or database_alias()]
+    connection = connection or connections[database_alias()]
     claim_round = _claim_portable
     if connection.vendor == "postgresql":
         claim_round = _claim_partitioned if conf.RECORD_PARTITIONS else _claim_postgresql
@@ -350,7 +351,7 @@ def _claim_postgresql(
     return _claimed_or_judged(identity, using, owner_token, terms, row)
 
 
-def answer(identity: Identity, using: str | None = None) -> Decision | None:
+def answer(identity: Identity, connection: BaseDatabaseWrapper) -> Decision | None:
     """The decision on a key that needs no write, for a request that is likely a retry: a
     replay, a request in flight (409) or a mismatch (422). None when the key must be claimed
     (absent, expired or to be taken over), or where only the claim can tell.
@@ -360,7 +361,6 @@ def answer(identity: Identity, using: str | None = None) -> Decision | None:
     Not inside a caller's transaction, whose snapshot may be older than the key's answer, and
     not elsewhere: MariaDB's and SQLite's claims read first anyway.
     """
-    connection = connections[using or database_alias()]
     if connection.vendor != "postgresql" or connection.in_atomic_block:
         return None
     return _read_postgresql(identity, connection)

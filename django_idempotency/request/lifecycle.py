@@ -333,18 +333,18 @@ def claim(
         instrumentation.announce(identity, decision)
         return decision
     cached = redis_copy.lookup(identity)
-    using = store.database_alias()
+    connection = connections[store.database_alias()]
     if cached is not None:
         decision = cached
     else:
         try:
-            answered = claims.answer(identity, using) if memory.answered(identity) else None
+            answered = claims.answer(identity, connection) if memory.answered(identity) else None
             decision = answered or claims.claim(
                 identity,
                 uuid.uuid4(),
                 lease_seconds=lease_seconds,
                 ttl_seconds=ttl_seconds,
-                using=using,
+                connection=connection,
             )
         except DatabaseError as exc:
             answer = instrumentation.store_failed(identity, exc)
@@ -356,7 +356,6 @@ def claim(
         # A key retried once is likely retried again: its next retries come from memory or
         # Redis. Copied to Redis here, at its first replay, not at its completion: most keys
         # are never retried, and their requests then pay no Redis write and take no memory.
-        connection = connections[using]
         if connection.in_atomic_block:
             # Read inside a transaction that may have written the record and may still roll
             # back: no cache may answer for it before it commits.
