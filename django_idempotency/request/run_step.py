@@ -142,7 +142,9 @@ def run_step(
             if handed_off and not store.resume(lease):
                 return _skipped(lease)
             value = work()
-            if any(connections[alias].needs_rollback for alias in aliases):
+            if connection.needs_rollback or any(
+                connections[alias].needs_rollback for alias in aliases[1:]
+            ):
                 if getattr(value, HANDED_OFF, None) is not None:
                     # Its 202 would promise work that the rollback took back out of the outbox.
                     raise RuntimeError(

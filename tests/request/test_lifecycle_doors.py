@@ -129,6 +129,24 @@ def test_rolled_back_view_under_atomic_requests(http, door, key, atomic_requests
     assert send(http, door, key, mode="rollback_once").status_code == 201
 
 
+@pytest.mark.django_db(transaction=True, databases=["default", "records"])
+@pytest.mark.parametrize("door", SYNC)
+def test_a_rollback_of_the_views_database_stores_nothing_in_the_records_one(
+    http, door, key, atomic_requests
+):
+    # The view marks its own database's transaction for rollback, not the records': the
+    # answer must not be stored beside writes that never commit.
+    with override_settings(DATABASE_ROUTERS=["tests.support.routers.RecordsElsewhere"]):
+        first = send(http, door, key, mode="rollback_once")
+        assert first.status_code == 409, first.content
+        assert not Widget.objects.exists()
+        assert record_of(key, "records") is None, "an answer was stored for rolled-back writes"
+        retry = send(http, door, key, mode="rollback_once")
+        assert retry.status_code == 201, retry.content
+        assert retry.json()["calls"] == 2
+        assert record_of(key, "records").status == "COMPLETED"
+
+
 # --- the stored-response rule: exceptions store nothing, on every door ---------------------------
 
 
