@@ -140,9 +140,9 @@ def _open(connection: BaseDatabaseWrapper, binary: bool) -> Any:
 
 
 def _json_loads(data: str | bytes) -> Any:
-    """``json.loads`` for what PostgreSQL sends a Django connection, always UTF-8: half its
-    calls, without its sniffing of the bytes' encoding (a stored response's headers are
-    read on every replay from the database)."""
+    """``json.loads`` for what PostgreSQL sends a Django connection, always UTF-8, without
+    sniffing the bytes' encoding first: a replay from the database reads its stored headers
+    through it, and so does every claim."""
     return _JSON_DECODER.decode(data.decode() if isinstance(data, bytes) else data)
 
 

@@ -75,7 +75,8 @@ def claim(
     this key; the lease granted carries them, so its heartbeat and completion use them too.
     ``connection``: the records' database's, when the caller has it (else looked up).
     """
-    connection = connection or connections[database_alias()]
+    if connection is None:
+        connection = connections[database_alias()]
     claim_round = _claim_portable
     if connection.vendor == "postgresql":
         claim_round = _claim_partitioned if conf.RECORD_PARTITIONS else _claim_postgresql

@@ -95,6 +95,8 @@ def test_a_replay_carries_the_content_type_the_first_answer_sent_and_no_other():
     untyped = lifecycle.replay(StoredResponse(204, [("Location", "/w/1")], b""))
     assert not untyped.has_header("Content-Type")
     assert untyped["Location"] == "/w/1" and untyped["Idempotent-Replay"] == "true"
+    lower = lifecycle.replay(StoredResponse(201, [("content-type", "text/csv")], b"a,b"))
+    assert lower["Content-Type"] == "text/csv"  # a name stored in another case is still its own
 
 
 def test_running_key_conflicts_with_seconds_left_on_the_lease(claim_path):
