@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 from typing import TYPE_CHECKING, Any
 
+from asgiref.sync import iscoroutinefunction
 from django.http import HttpRequest, HttpResponseBase
+from django.utils.cache import patch_vary_headers
+from django.views.generic import View
 from rest_framework.renderers import BaseRenderer, BrowsableAPIRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -87,13 +90,22 @@ class IdempotencyMixin(_Base):
 
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
-        return lifecycle.opt_out_of_atomic_requests(super().as_view(*args, **initkwargs))
+        view: Any = super().as_view(*args, **initkwargs)
+        scoped = initkwargs.get("idempotency_scope_by_credentials")
+        if (scoped or (scoped is None and cls.idempotency_scope_by_credentials)) and not (
+            iscoroutinefunction(view)  # a DRF view with async handlers: claimed in dispatch
+        ):
+            view = _claiming_first(view)
+        return lifecycle.opt_out_of_atomic_requests(view)
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
         if request.method not in self.idempotent_methods:
             with lifecycle.atomic_requests():
                 return super().dispatch(request, *args, **kwargs)
-        claimed = self._claim_before_drf(request)
+        # Claimed by the view function before this view was built (_claiming_first), if it was.
+        claimed = request.__dict__.pop("_idempotency_claimed", _UNCLAIMED)
+        if claimed is _UNCLAIMED:
+            claimed = self._claim_before_drf(request)
         if isinstance(claimed, HttpResponseBase):
             return claimed
         self._idempotency_claimed = claimed
@@ -102,55 +114,24 @@ class IdempotencyMixin(_Base):
         finally:
             # DRF failed before initial() took the claim: a key claimed for this request is
             # given back, as a request refused before its handler gives it back.
-            unused = self.__dict__.pop("_idempotency_claimed", None)
-            if isinstance(unused, tuple) and isinstance(unused[1], Proceed):
-                release(unused[1].lease, "refused")
+            _release_unused(self.__dict__.pop("_idempotency_claimed", None))
 
     def _claim_before_drf(
         self, request: HttpRequest
     ) -> HttpResponseBase | Claimed | Exception | None:
         """With ``idempotency_scope_by_credentials``, claim the key before DRF builds its
-        request: a replay is sent from here, with none of DRF's work; any other outcome is
-        handed to :meth:`initial` (``None``: claim there, as without the option).
+        request (:func:`_claim_early`); ``None``: claim in :meth:`initial`, as without it.
 
-        Only where nothing of the claim needs DRF's request: the default fingerprint, no
-        recheck of replays, and credentials that tell the scope. An error is handed on too:
-        :meth:`initial` raises it inside DRF's exception handling, which answers it.
+        The view function keeps what this view's claims need (:class:`_EarlyClaims`) for its
+        next requests, which it then claims before it builds the view at all.
         """
-        if (
-            not self.idempotency_scope_by_credentials
-            or self.idempotency_recheck_replays
-            or type(self).get_idempotency_fingerprint
-            is not IdempotencyMixin.get_idempotency_fingerprint
-        ):
+        claims = _EarlyClaims.of(self, request)
+        if claims is None:
             return None
-        options = self.get_idempotency_options()
-        handler_name = (request.method or "").lower()
-        if handler_name not in self.http_method_names or not hasattr(self, handler_name):
-            return None
-        if not lifecycle.guards(request, options):
-            return None
-        try:
-            prepare_body(request)
-            scope = credentials_scope(request)
-            if scope is None:
-                return None
-            fingerprint = partial(request_fingerprint, request, max_body=self.idempotency_max_body)
-            claimed = lifecycle.first_claim(request, partial(str, scope), fingerprint, options)
-        except Exception as exc:  # noqa: BLE001 - raised again inside DRF's handling
-            return exc
-        if claimed is None:
-            return None
-        decision = claimed[1]
-        if isinstance(decision, Replay) and not decision.handed_off:
-            # DRF's own finalizing of an HttpResponse (its Allow and Vary), which reads
-            # nothing of the request: the replay is the one DRF's path would send.
-            self.headers = self.default_response_headers
-            stored = lifecycle.replay(decision.response)
-            replayed = super().finalize_response(request, stored)  # type: ignore[arg-type]
-            attach.preference_applied(request, replayed)
-            return hand_over_cleanup(request, replayed)
-        return claimed
+        door = request.__dict__.pop("_idempotency_first", None)
+        if isinstance(door, _ClaimingFirst) and claims.kept:
+            door.claims = claims
+        return _claim_early(request, claims)
 
     # --- hooks -----------------------------------------------------------------------------
 
@@ -331,6 +312,151 @@ class _InitialDoor:
             return lifecycle.run(lease, call, options, request=request._request)
 
         return guarded
+
+
+#: ``dispatch`` was handed no claim by the view function.
+_UNCLAIMED: Any = object()
+
+
+def _release_unused(claimed: Claimed | Exception | None) -> None:
+    """Give back a key claimed for a request DRF then failed to serve before it took it."""
+    if isinstance(claimed, tuple) and isinstance(claimed[1], Proceed):
+        release(claimed[1].lease, "refused")
+
+
+@dataclass(frozen=True, slots=True)
+class _EarlyClaims:
+    """How a view scoped by credentials claims a key before DRF builds its request: the same
+    for every request one view function serves, when nothing of the view's class changes it
+    per request (``kept``: the view function keeps it and claims before building the view)."""
+
+    options: lifecycle.Options
+    #: The guarded methods the view has a handler for.
+    methods: frozenset[str]
+    #: DRF's own headers on every answer (``Allow``), set over a replay's stored ones; with
+    #: ``vary`` added to its ``Vary`` (DRF's ``finalize_response``). None: the view finalizes.
+    headers: dict[str, str] | None
+    vary: tuple[str, ...]
+    finalize: Callable[[HttpResponseBase], HttpResponseBase] | None
+    kept: bool
+
+    @classmethod
+    def of(cls, view: IdempotencyMixin, request: HttpRequest) -> _EarlyClaims | None:
+        """What ``view``'s claims need before DRF's request; None where they need that
+        request: a fingerprint hook of its own, replays rechecked, no credentials scope."""
+        kind = type(view)
+        if (
+            not view.idempotency_scope_by_credentials
+            or view.idempotency_recheck_replays
+            or kind.get_idempotency_fingerprint is not IdempotencyMixin.get_idempotency_fingerprint
+        ):
+            return None
+        options = view.get_idempotency_options()
+        methods = frozenset(
+            method
+            for method in options.methods
+            if method.lower() in view.http_method_names and hasattr(view, method.lower())
+        )
+        # Kept only where nothing before this claim in the view's own path can differ per
+        # request: Django's and DRF's own construction of the view, our dispatch, our options,
+        # DRF's own finalizing (whose headers then are the view function's, every time).
+        kept = (
+            kind.__init__ is View.__init__
+            and kind.setup is View.setup
+            and kind.dispatch is IdempotencyMixin.dispatch
+            and kind.get_idempotency_options is IdempotencyMixin.get_idempotency_options
+            and super(IdempotencyMixin, view).finalize_response.__func__  # type: ignore[attr-defined]
+            is APIView.finalize_response
+            and kind.default_response_headers is APIView.default_response_headers
+            and kind.allowed_methods is APIView.allowed_methods
+            and getattr(kind, "_allowed_methods", None) is getattr(View, "_allowed_methods", None)
+        )
+        if not kept:
+            view.headers = view.default_response_headers
+            finalize = partial(super(IdempotencyMixin, view).finalize_response, request)  # type: ignore[arg-type]
+            return cls(options, methods, None, (), finalize, kept=False)
+        headers = dict(view.default_response_headers)
+        vary = headers.pop("Vary", None)
+        varies = tuple(part.strip() for part in vary.split(",")) if vary else ()
+        return cls(options, methods, headers, varies, None, kept=True)
+
+    def replay(self, stored: StoredResponse) -> HttpResponseBase:
+        """The stored answer as DRF's path would send it: with DRF's own headers."""
+        if self.finalize is not None:
+            return self.finalize(lifecycle.replay(stored))
+        replayed = lifecycle.replay(stored, self.headers)
+        if self.vary:
+            patch_vary_headers(replayed, self.vary)
+        return replayed
+
+
+def _claim_early(
+    request: HttpRequest, claims: _EarlyClaims
+) -> HttpResponseBase | Claimed | Exception | None:
+    """Claim the key before DRF's request: a replay is sent from here, with none of DRF's
+    work; any other outcome is handed to :meth:`IdempotencyMixin.initial` (``None``: claim
+    there, as without the option).
+
+    An error is handed on too: ``initial`` raises it inside DRF's exception handling, which
+    answers it.
+    """
+    if request.method not in claims.methods or not lifecycle.guards(request, claims.options):
+        return None
+    try:
+        prepare_body(request)
+        scope = credentials_scope(request)
+        if scope is None:
+            return None
+        fingerprint = partial(request_fingerprint, request, max_body=claims.options.max_body)
+        claimed = lifecycle.first_claim(request, partial(str, scope), fingerprint, claims.options)
+    except Exception as exc:  # noqa: BLE001 - raised again inside DRF's handling
+        return exc
+    if claimed is None:
+        return None
+    decision = claimed[1]
+    if isinstance(decision, Replay) and not decision.handed_off:
+        replayed = claims.replay(decision.response)
+        attach.preference_applied(request, replayed)
+        return hand_over_cleanup(request, replayed)
+    return claimed
+
+
+class _ClaimingFirst:
+    """What a view function scoped by credentials keeps after its first request: how it claims
+    a key (:class:`_EarlyClaims`), filled in by ``dispatch``. A viewset binds its actions per
+    route, so what is kept is the view function's, not its class's."""
+
+    __slots__ = ("claims",)
+
+    def __init__(self) -> None:
+        self.claims: _EarlyClaims | None = None
+
+
+def _claiming_first(view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
+    """``view`` (DRF's view function), claiming a key before it builds the view once it keeps
+    how: a replay is then sent before Django and DRF construct the view. It carries ``view``'s
+    attributes (``cls``, ``initkwargs``, ``actions``, ``csrf_exempt``) for routers and schema
+    tools."""
+    kept = _ClaimingFirst()
+
+    @wraps(view)
+    def claiming_view(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        claims = kept.claims
+        if claims is None:
+            request._idempotency_first = kept  # type: ignore[attr-defined] # dispatch fills it in
+            return view(request, *args, **kwargs)
+        if request.method not in claims.methods:
+            return view(request, *args, **kwargs)
+        claimed = _claim_early(request, claims)
+        if isinstance(claimed, HttpResponseBase):
+            return claimed
+        request._idempotency_claimed = claimed  # type: ignore[attr-defined] # for dispatch
+        try:
+            return view(request, *args, **kwargs)
+        finally:  # building the view failed before dispatch took the claim: given back
+            _release_unused(request.__dict__.pop("_idempotency_claimed", None))
+
+    return claiming_view
 
 
 def screen(

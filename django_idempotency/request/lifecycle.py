@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
@@ -385,8 +385,8 @@ def _remember_replay(
 
 
 @instrumentation.instrumented("replay")
-def replay(stored: StoredResponse) -> HttpResponseBase:
-    return replay_response(stored)
+def replay(stored: StoredResponse, headers: Mapping[str, str] | None = None) -> HttpResponseBase:
+    return replay_response(stored, headers)
 
 
 def refusal(decision: Conflict | Mismatch) -> IdempotencyHTTPError:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from django.http import HttpResponse, HttpResponseBase, JsonResponse
 
 from django_idempotency.conf import conf
@@ -26,28 +28,33 @@ def capture(response: HttpResponseBase) -> StoredResponse:
     return StoredResponse(response.status_code, headers, body)
 
 
-def replay(stored: StoredResponse) -> HttpResponse:
-    """The stored response again, marked as a replay."""
+def replay(stored: StoredResponse, headers: Mapping[str, str] | None = None) -> HttpResponse:
+    """The stored response again, marked as a replay; ``headers`` are set over the stored ones
+    (a framework's own, which it adds to every answer: DRF's ``Allow``)."""
     if not stored.retained:
-        return _not_retained(stored)
+        return _not_retained(stored, headers)
     # A dict: Django unpacks it without checking each pair's length (a replay's hot path).
-    headers = dict(stored.headers)
-    headers[conf.REPLAY_HEADER] = "true"
-    response = HttpResponse(stored.body, status=stored.status, headers=headers)
-    if "Content-Type" not in headers and not any(
+    sent = dict(stored.headers)
+    sent[conf.REPLAY_HEADER] = "true"
+    if headers:
+        sent.update(headers)
+    response = HttpResponse(stored.body, status=stored.status, headers=sent)
+    if "Content-Type" not in sent and not any(
         name.lower() == "content-type" for name, _ in stored.headers
     ):
         del response["Content-Type"]  # Django's default, which the first answer did not send
     return response
 
 
-def _not_retained(stored: StoredResponse) -> HttpResponse:
+def _not_retained(stored: StoredResponse, headers: Mapping[str, str] | None) -> HttpResponse:
     """Same status, and a body that says plainly the original one was not kept."""
     response = problem_response(ResponseNotRetained(stored.status))
     for name, value in stored.headers:
         if name.lower() not in ("content-type", "content-length"):
             response[name] = value
     response[conf.REPLAY_HEADER] = "true"
+    for name, value in (headers or {}).items():
+        response[name] = value
     return response
 
 

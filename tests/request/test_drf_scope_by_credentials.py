@@ -241,6 +241,163 @@ def test_a_duplicate_claimed_before_drf_passes_drfs_checks_before_it_may_wait(
     assert Widget.objects.count() == 1
 
 
+# --- claimed before the view is built ---------------------------------------------------------
+
+
+@pytest.fixture
+def built_views(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths a view was built for (Django's ``View.setup``); with ``fail`` appended,
+    building one raises."""
+    from django.views.generic import View
+
+    built: list[str] = []
+    setup = View.setup
+
+    def counted(self: View, request: Any, *args: Any, **kwargs: Any) -> None:
+        built.append(request.path)
+        if "fail" in built:
+            raise RuntimeError("the view failed to build")
+        setup(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(View, "setup", counted)
+    return built
+
+
+def call(view: Any, key: str, token: str, name: str = "w") -> Any:
+    """``view`` called directly, as Django calls the view function it resolved."""
+    from rest_framework.test import APIRequestFactory
+
+    request = APIRequestFactory().post(
+        SCOPED, {"name": name}, format="json", HTTP_IDEMPOTENCY_KEY=key, HTTP_AUTHORIZATION=token
+    )
+    response = view(request)
+    if hasattr(response, "render"):
+        response.render()
+    return response
+
+
+def test_after_its_first_request_a_view_function_replays_before_it_builds_the_view(
+    key, built_views
+):
+    """The view function keeps what its claims need after its first request: a replay is
+    then sent before Django and DRF build the view, with the headers DRF's path sends."""
+    from tests.testapp.views import CredentialScopedWidgetView
+
+    view = CredentialScopedWidgetView.as_view()  # a view function of its own: nothing kept yet
+    token = token_for(UserFactory())
+    first = call(view, key, token)
+    assert first.status_code == 201 and built_views == [SCOPED]
+    retry = call(view, key, token)
+    assert built_views == [SCOPED]  # not built for the replay
+    assert retry["Idempotent-Replay"] == "true" and retry.content == first.content
+    for header in ("Content-Type", "Location", "Allow", "Vary"):
+        assert retry[header] == first[header], header
+    # A new key is claimed before the view is built, then served by it: claimed once.
+    other = call(view, f"{key}-2", token, name="v")
+    assert other.status_code == 201 and built_views == [SCOPED, SCOPED]
+    assert IdempotencyRecord.objects.filter(key=f"{key}-2").count() == 1
+    assert call(view, f"{key}-2", token, name="v").content == other.content
+    assert built_views == [SCOPED, SCOPED] and Widget.objects.count() == 2
+
+
+def test_control_a_view_that_builds_itself_its_own_way_replays_after_it_is_built(key, built_views):
+    """A view class with a ``setup`` of its own may set things a claim depends on: its view
+    function keeps nothing, and each replay is sent once the view is built (still before DRF's
+    request), with the same headers."""
+    from tests.testapp.views import CredentialScopedWidgetView
+
+    class BuiltItsOwnWay(CredentialScopedWidgetView):
+        def setup(self, request: Any, *args: Any, **kwargs: Any) -> None:
+            super().setup(request, *args, **kwargs)
+
+    view = BuiltItsOwnWay.as_view()
+    token = token_for(UserFactory())
+    first = call(view, key, token)
+    retry = call(view, key, token)
+    assert built_views == [SCOPED, SCOPED]
+    assert retry["Idempotent-Replay"] == "true" and retry.content == first.content
+    for header in ("Content-Type", "Location", "Allow", "Vary"):
+        assert retry[header] == first[header], header
+
+
+def test_a_replay_before_the_view_adds_drfs_vary_to_a_stored_one(key, idempotency_settings):
+    """With ``Vary`` among the stored headers, DRF adds its own to it on a replay, as it did on
+    the first answer; sent before the view is built, the replay's is the same. (Control: with
+    DRF's ``Vary`` set over the stored one instead of added, this fails.)"""
+    from tests.testapp.views import CredentialScopedWidgetView
+
+    class VariesByCookie(CredentialScopedWidgetView):
+        def post(self, request: Any) -> Any:
+            response = super().post(request)
+            response["Vary"] = "Cookie"
+            return response
+
+    idempotency_settings(STORED_RESPONSE_HEADERS=["Content-Type", "Location", "Vary"])
+    view = VariesByCookie.as_view()
+    token = token_for(UserFactory())
+    first = call(view, key, token)
+    assert first["Vary"] == "Cookie, Accept"
+    retry = call(view, key, token)
+    assert retry["Idempotent-Replay"] == "true" and retry["Vary"] == "Cookie, Accept"
+
+
+def test_a_key_claimed_before_the_view_is_built_is_given_back_when_building_fails(key, built_views):
+    from tests.testapp.views import CredentialScopedWidgetView
+
+    view = CredentialScopedWidgetView.as_view()
+    token = token_for(UserFactory())
+    assert call(view, f"{key}-0", token).status_code == 201  # the view function keeps its claims
+    built_views.append("fail")
+    with pytest.raises(RuntimeError, match="the view failed to build"):
+        call(view, key, token)
+    assert not IdempotencyRecord.objects.filter(key=key).exists()  # not held until its lease
+    built_views.remove("fail")
+    assert call(view, key, token).status_code == 201  # a retry runs at once, no 409
+    assert Widget.objects.count() == 2
+
+
+@pytest.mark.parametrize(
+    ("method", "route", "allow"),
+    [
+        ("post", "/api/credential-widgets/", "GET, POST, HEAD, OPTIONS"),
+        ("patch", "/api/credential-widgets/{pk}/", "GET, PUT, PATCH, DELETE, HEAD, OPTIONS"),
+    ],
+)
+def test_each_route_of_a_viewset_replays_with_its_own_allow(key, method, route, allow):
+    """A viewset binds its actions per route: what a view function keeps is its route's."""
+    user = UserFactory()
+    token = token_for(user)
+    widget = Widget.objects.create(name="w")
+    path = route.format(pk=widget.pk)
+    client = APIClient()
+
+    def send() -> Any:
+        return getattr(client, method)(
+            path, {"name": "x"}, format="json", HTTP_IDEMPOTENCY_KEY=key, HTTP_AUTHORIZATION=token
+        )
+
+    send()  # a first key: the route's view function keeps its claims
+    first = send()
+    retry = send()
+    assert first.status_code in (200, 201), first.content
+    assert retry["Idempotent-Replay"] == "true" and retry.content == first.content
+    assert first["Allow"] == retry["Allow"] == allow
+
+
+def test_behind_the_middleware_a_view_scoped_by_credentials_is_guarded_once(
+    key, idempotency_settings
+):
+    idempotency_settings(MIDDLEWARE_PATHS=[r"^/api/credential-widget/"])
+    token = token_for(UserFactory())
+    post(SCOPED, f"{key}-0", token)  # the view function keeps its claims
+    first = post(SCOPED, key, token)
+    assert first.status_code == 201, first.content
+    assert IdempotencyRecord.objects.filter(key=key).count() == 1
+    retry = post(SCOPED, key, token)
+    assert retry["Idempotent-Replay"] == "true" and retry.content == first.content
+    assert Widget.objects.count() == 2
+
+
 # --- the digest itself -------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ from tests.testapp import doors, hostile_views, views
 
 router = DefaultRouter()
 router.register("widgets", views.WidgetViewSet)
+router.register("credential-widgets", views.CredentialScopedWidgetViewSet, "credential-widget")
 
 urlpatterns = [
     path("admin/", admin.site.urls),

@@ -154,6 +154,15 @@ class CredentialScopedWidgetView(TokenWidgetView):
     idempotency_scope_by_credentials = True
 
 
+class CredentialScopedWidgetViewSet(WidgetViewSet):
+    """A viewset whose token clients' keys are scoped by their credentials: each route (list,
+    detail) replays before DRF with its own ``Allow``."""
+
+    authentication_classes = [CountingTokenAuthentication]
+    permission_classes = [IsAuthenticated]
+    idempotency_scope_by_credentials = True
+
+
 class HeartbeatWidgetView(WidgetAPIView):
     idempotency_heartbeat = True
 
