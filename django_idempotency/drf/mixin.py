@@ -9,7 +9,7 @@ lifecycle's transaction, finalized and rendered there, so the stored bytes are t
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial, wraps
 from typing import TYPE_CHECKING, Any
 
@@ -330,6 +330,8 @@ class _EarlyClaims:
     for every request one view function serves, when nothing of the view's class changes it
     per request (``kept``: the view function keeps it and claims before building the view)."""
 
+    #: The claim's own options (the handler's are read again from the view in ``initial``):
+    #: with the default ``should_store``, so that nothing kept holds a view, or its request.
     options: lifecycle.Options
     #: The guarded methods the view has a handler for.
     methods: frozenset[str]
@@ -351,7 +353,9 @@ class _EarlyClaims:
             or kind.get_idempotency_fingerprint is not IdempotencyMixin.get_idempotency_fingerprint
         ):
             return None
-        options = view.get_idempotency_options()
+        options = replace(
+            view.get_idempotency_options(), should_store=lifecycle.default_should_store
+        )
         methods = frozenset(
             method
             for method in options.methods
@@ -372,9 +376,7 @@ class _EarlyClaims:
             and getattr(kind, "_allowed_methods", None) is getattr(View, "_allowed_methods", None)
         )
         if not kept:
-            view.headers = view.default_response_headers
-            finalize = partial(super(IdempotencyMixin, view).finalize_response, request)  # type: ignore[arg-type]
-            return cls(options, methods, None, (), finalize, kept=False)
+            return cls(options, methods, None, (), partial(_finalize, view, request), kept=False)
         headers = dict(view.default_response_headers)
         vary = headers.pop("Vary", None)
         varies = tuple(part.strip() for part in vary.split(",")) if vary else ()
@@ -388,6 +390,15 @@ class _EarlyClaims:
         if self.vary:
             patch_vary_headers(replayed, self.vary)
         return replayed
+
+
+def _finalize(
+    view: IdempotencyMixin, request: HttpRequest, response: HttpResponseBase
+) -> HttpResponseBase:
+    """DRF's own finalizing of an HttpResponse (its ``Allow`` and ``Vary``), which reads
+    nothing of the request: a replay is the one DRF's path would send."""
+    view.headers = view.default_response_headers
+    return super(IdempotencyMixin, view).finalize_response(request, response)  # type: ignore[arg-type]
 
 
 def _claim_early(

@@ -300,6 +300,31 @@ def test_after_its_first_request_a_view_function_replays_before_it_builds_the_vi
     assert built_views == [SCOPED, SCOPED] and Widget.objects.count() == 2
 
 
+def test_what_a_view_function_keeps_holds_no_view_nor_its_request(key, monkeypatch):
+    """The view function keeps its claims for good: they must not keep the view its first
+    request built alive, nor that request. (Control: with the view's own ``should_store``
+    hook kept in the claims' options, the view stays alive.)"""
+    import gc
+    import weakref
+
+    from django.views.generic import View
+
+    from tests.testapp.views import CredentialScopedWidgetView
+
+    built: list[weakref.ref[View]] = []
+    setup = View.setup
+
+    def recorded(self: View, request: Any, *args: Any, **kwargs: Any) -> None:
+        built.append(weakref.ref(self))
+        setup(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(View, "setup", recorded)
+    view = CredentialScopedWidgetView.as_view()
+    assert call(view, key, token_for(UserFactory())).status_code == 201
+    gc.collect()
+    assert len(built) == 1 and built[0]() is None
+
+
 def test_control_a_view_that_builds_itself_its_own_way_replays_after_it_is_built(key, built_views):
     """A view class with a ``setup`` of its own may set things a claim depends on: its view
     function keeps nothing, and each replay is sent once the view is built (still before DRF's
