@@ -135,23 +135,32 @@ def test_with_credential_scope_refuse_the_keys_stay_the_users(key):
 # --- claimed before DRF builds its request -----------------------------------------------------
 
 
+def counted_steps(
+    monkeypatch: pytest.MonkeyPatch, owner: type, name: str, failure: str
+) -> list[str]:
+    """The paths ``owner.name`` (a step of serving a DRF view) ran for; with ``fail`` appended,
+    the step raises ``failure``."""
+    ran: list[str] = []
+    step = getattr(owner, name)
+
+    def counted(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        ran.append(request.path)
+        if "fail" in ran:
+            raise RuntimeError(failure)
+        return step(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return ran
+
+
 @pytest.fixture
 def drf_requests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The paths DRF built a request for (``APIView.initialize_request``); with ``fail``
-    appended, building one raises."""
+    """The paths DRF built a request for (``APIView.initialize_request``)."""
     from rest_framework.views import APIView
 
-    built: list[str] = []
-    initialize_request = APIView.initialize_request
-
-    def counted(self: APIView, request: Any, *args: Any, **kwargs: Any) -> Any:
-        built.append(request.path)
-        if "fail" in built:
-            raise RuntimeError("DRF failed to build its request")
-        return initialize_request(self, request, *args, **kwargs)
-
-    monkeypatch.setattr(APIView, "initialize_request", counted)
-    return built
+    return counted_steps(
+        monkeypatch, APIView, "initialize_request", "DRF failed to build its request"
+    )
 
 
 def test_a_replay_is_sent_before_drf_builds_its_request_the_same_as_drf_would(
@@ -171,17 +180,6 @@ def test_a_replay_is_sent_before_drf_builds_its_request_the_same_as_drf_would(
     assert post(BY_USER, key, token).status_code == 201
     assert post(BY_USER, key, token)["Idempotent-Replay"] == "true"
     assert drf_requests == [SCOPED, BY_USER, BY_USER]
-
-
-def test_a_key_claimed_before_drf_fails_to_build_its_request_is_given_back(key, drf_requests):
-    token = token_for(UserFactory())
-    drf_requests.append("fail")
-    with pytest.raises(RuntimeError, match="DRF failed to build its request"):
-        post(SCOPED, key, token)
-    assert not IdempotencyRecord.objects.filter(key=key).exists()  # not held until its lease
-    drf_requests.remove("fail")
-    assert post(SCOPED, key, token).status_code == 201  # a retry runs at once, no 409
-    assert Widget.objects.count() == 1
 
 
 def test_a_key_in_flight_claimed_before_drf_is_refused_by_drf(key, drf_requests):
@@ -246,21 +244,10 @@ def test_a_duplicate_claimed_before_drf_passes_drfs_checks_before_it_may_wait(
 
 @pytest.fixture
 def built_views(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The paths a view was built for (Django's ``View.setup``); with ``fail`` appended,
-    building one raises."""
+    """The paths a view was built for (Django's ``View.setup``)."""
     from django.views.generic import View
 
-    built: list[str] = []
-    setup = View.setup
-
-    def counted(self: View, request: Any, *args: Any, **kwargs: Any) -> None:
-        built.append(request.path)
-        if "fail" in built:
-            raise RuntimeError("the view failed to build")
-        setup(self, request, *args, **kwargs)
-
-    monkeypatch.setattr(View, "setup", counted)
-    return built
+    return counted_steps(monkeypatch, View, "setup", "the view failed to build")
 
 
 def call(view: Any, key: str, token: str, name: str = "w") -> Any:
@@ -300,29 +287,22 @@ def test_after_its_first_request_a_view_function_replays_before_it_builds_the_vi
     assert built_views == [SCOPED, SCOPED] and Widget.objects.count() == 2
 
 
-def test_what_a_view_function_keeps_holds_no_view_nor_its_request(key, monkeypatch):
+def test_what_a_view_function_keeps_holds_no_view_nor_its_request(key):
     """The view function keeps its claims for good: they must not keep the view its first
     request built alive, nor that request. (Control: with the view's own ``should_store``
     hook kept in the claims' options, the view stays alive.)"""
     import gc
-    import weakref
-
-    from django.views.generic import View
 
     from tests.testapp.views import CredentialScopedWidgetView
 
-    built: list[weakref.ref[View]] = []
-    setup = View.setup
+    class Kept(CredentialScopedWidgetView):
+        pass
 
-    def recorded(self: View, request: Any, *args: Any, **kwargs: Any) -> None:
-        built.append(weakref.ref(self))
-        setup(self, request, *args, **kwargs)
-
-    monkeypatch.setattr(View, "setup", recorded)
-    view = CredentialScopedWidgetView.as_view()
+    view = Kept.as_view()
     assert call(view, key, token_for(UserFactory())).status_code == 201
+    assert call(view, key, token_for(UserFactory())).status_code == 201  # kept by now
     gc.collect()
-    assert len(built) == 1 and built[0]() is None
+    assert not [alive for alive in gc.get_objects() if type(alive) is Kept]
 
 
 def test_control_a_view_that_builds_itself_its_own_way_replays_after_it_is_built(key, built_views):
@@ -366,19 +346,38 @@ def test_a_replay_before_the_view_adds_drfs_vary_to_a_stored_one(key, idempotenc
     assert retry["Idempotent-Replay"] == "true" and retry["Vary"] == "Cookie, Accept"
 
 
-def test_a_key_claimed_before_the_view_is_built_is_given_back_when_building_fails(key, built_views):
+@pytest.mark.parametrize(
+    ("owner", "step", "kept"),
+    [
+        ("rest_framework.views.APIView", "initialize_request", False),
+        ("rest_framework.views.APIView", "initialize_request", True),
+        ("django.views.generic.View", "setup", True),
+    ],
+    ids=["claimed-in-dispatch-drf-fails", "claimed-first-drf-fails", "claimed-first-view-fails"],
+)
+def test_a_key_claimed_before_drf_is_given_back_when_serving_fails_before_it_runs(
+    key, monkeypatch, owner, step, kept
+):
+    """Claimed in ``dispatch`` (a view function's first request) or before the view is built
+    (once it keeps its claims), a key whose request then fails, before DRF's request is built
+    or before the view is, is given back at once, not held until its lease."""
+    from importlib import import_module
+
     from tests.testapp.views import CredentialScopedWidgetView
 
+    module, name = owner.rsplit(".", 1)
+    ran = counted_steps(monkeypatch, getattr(import_module(module), name), step, "failed here")
     view = CredentialScopedWidgetView.as_view()
     token = token_for(UserFactory())
-    assert call(view, f"{key}-0", token).status_code == 201  # the view function keeps its claims
-    built_views.append("fail")
-    with pytest.raises(RuntimeError, match="the view failed to build"):
+    if kept:
+        assert call(view, f"{key}-0", token).status_code == 201  # the function keeps its claims
+    ran.append("fail")
+    with pytest.raises(RuntimeError, match="failed here"):
         call(view, key, token)
     assert not IdempotencyRecord.objects.filter(key=key).exists()  # not held until its lease
-    built_views.remove("fail")
+    ran.remove("fail")
     assert call(view, key, token).status_code == 201  # a retry runs at once, no 409
-    assert Widget.objects.count() == 2
+    assert Widget.objects.count() == 1 + kept
 
 
 @pytest.mark.parametrize(
