@@ -287,6 +287,33 @@ def test_after_its_first_request_a_view_function_replays_before_it_builds_the_vi
     assert built_views == [SCOPED, SCOPED] and Widget.objects.count() == 2
 
 
+def test_a_streamed_answer_replayed_before_the_view_is_built_carries_drfs_headers(key):
+    """A streamed first answer is not retained: its replay says so, with DRF's ``Allow`` and
+    ``Vary`` as DRF's path adds them to any answer."""
+    from rest_framework.test import APIRequestFactory
+
+    from tests.testapp.views import CredentialScopedWidgetView
+
+    view = CredentialScopedWidgetView.as_view()
+    token = token_for(UserFactory())
+    assert call(view, f"{key}-0", token).status_code == 201  # the view function keeps its claims
+
+    def streamed() -> Any:
+        request = APIRequestFactory().post(
+            SCOPED, {"name": "w", "stream": True}, format="json",
+            HTTP_IDEMPOTENCY_KEY=key, HTTP_AUTHORIZATION=token,
+        )  # fmt: skip
+        return view(request)
+
+    first = streamed()
+    assert first.streaming and first.status_code == 200
+    retry = streamed()
+    assert retry["Idempotent-Replay"] == "true" and retry.status_code == 200
+    assert b"response_not_retained" in retry.content
+    for header in ("Allow", "Vary"):
+        assert retry[header] == first[header], header
+
+
 def test_what_a_view_function_keeps_holds_no_view_nor_its_request(key):
     """The view function keeps its claims for good: they must not keep the view its first
     request built alive, nor that request. (Control: with the view's own ``should_store``
