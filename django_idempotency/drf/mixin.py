@@ -91,10 +91,10 @@ class IdempotencyMixin(_Base):
     @classmethod
     def as_view(cls, *args: Any, **initkwargs: Any) -> Any:
         view: Any = super().as_view(*args, **initkwargs)
-        scoped = initkwargs.get("idempotency_scope_by_credentials")
-        if (scoped or (scoped is None and cls.idempotency_scope_by_credentials)) and not (
-            iscoroutinefunction(view)  # a DRF view with async handlers: claimed in dispatch
-        ):
+        scoped = initkwargs.get(
+            "idempotency_scope_by_credentials", cls.idempotency_scope_by_credentials
+        )
+        if scoped and not iscoroutinefunction(view):  # async handlers: claimed in dispatch
             view = _claiming_first(view)
         return lifecycle.opt_out_of_atomic_requests(view)
 
