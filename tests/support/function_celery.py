@@ -63,7 +63,11 @@ def _note(kind: str, **values: Any) -> None:
     if "FN_WORK_DIR" not in os.environ:  # called in the test process, not a worker's
         return
     path = _work_dir() / f"{kind}-{time.monotonic_ns()}.json"
-    path.write_text(json.dumps({"pid": os.getpid(), **values}))
+    # Written under another name, then renamed: the test polls these files, and must never
+    # read one the worker has created but not yet filled.
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps({"pid": os.getpid(), **values}))
+    partial.rename(path)
 
 
 def _hold() -> None:
